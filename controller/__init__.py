@@ -1,0 +1,1 @@
+"""Xronos control plane: partition planning (and, later, the MQTT controller)."""

@@ -1,0 +1,1 @@
+"""Xronos edge node: the device agent and its tensor-parallel training engine."""

@@ -1,0 +1,98 @@
+"""Emulating a slower device: a CPU quota per worker process.
+
+The mechanism is the one behind Docker's `cpus:` limit, CFS bandwidth
+control, through cgroup v1 (`cpu.cfs_quota_us`; on these machines cgroup v2
+has no cpu controller). Speed 1 = one full core. The period is 10 ms rather
+than the 100 ms default: with 100 ms a throttled worker stops for up to 75 ms
+at a stretch and stalls every collective, which emulates a stop-and-go device
+rather than a slower one.
+
+Where no cgroup can be written (not root, no v1 cpu controller), the fallback
+is a duty cycle driven from the launcher: SIGCONT for `speed` of each 10 ms
+period and SIGSTOP for the rest. Coarser (it depends on the launcher being
+scheduled on time) but the same average speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 10_000
+
+
+def cgroup_quota_available() -> bool:
+    return (CGROUP_V1_CPU / "cpu.cfs_quota_us").is_file() and os.access(CGROUP_V1_CPU, os.W_OK)
+
+
+class CgroupQuota:
+    """A cgroup v1 cpu group limited to `speed` cores; processes are moved in with `add`."""
+
+    def __init__(self, name: str, speed: float):
+        self.path = CGROUP_V1_CPU / name
+        self.path.mkdir(exist_ok=True)
+        (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (self.path / "cpu.cfs_quota_us").write_text(str(max(1000, round(speed * PERIOD_US))))
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def close(self) -> None:
+        for _ in range(50):  # the group can be removed once its processes have exited
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        log.warning("could not remove cgroup %s", self.path)
+
+
+class DutyCycleQuota:
+    """Fallback: SIGSTOP/SIGCONT a process so it runs `speed` of every period."""
+
+    def __init__(self, name: str, speed: float):
+        self.speed = min(speed, 1.0)
+        self.pids: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"duty-{name}", daemon=True)
+
+    def add(self, pid: int) -> None:
+        self.pids.append(pid)
+        if self.speed < 1.0 and not self._thread.is_alive():
+            self._thread.start()
+
+    def _signal(self, sig) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _run(self) -> None:
+        period = PERIOD_US / 1e6
+        while not self._stop.is_set():
+            self._signal(signal.SIGCONT)
+            time.sleep(self.speed * period)
+            self._signal(signal.SIGSTOP)
+            time.sleep((1 - self.speed) * period)
+        self._signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def make_quota(name: str, speed: float) -> CgroupQuota | DutyCycleQuota:
+    """The best available emulation of a device of `speed` cores."""
+    if cgroup_quota_available():
+        return CgroupQuota(name, speed)
+    log.warning("cgroup v1 cpu quotas are not writable here; emulating speed %.2f with a SIGSTOP/SIGCONT duty cycle", speed)
+    return DutyCycleQuota(name, speed)

@@ -1,0 +1,1 @@
+"""Uneven Megatron-style tensor parallelism applied from outside to Hugging Face models."""

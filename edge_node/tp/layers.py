@@ -1,0 +1,69 @@
+"""The sharded modules swapped into a Hugging Face model.
+
+Column-parallel projections need no class of their own: a plain `nn.Linear`
+with fewer output features, fed by `copy_to_tp` at the block's input.
+Row-parallel projections sum their partial products; the vocabulary-parallel
+embedding looks up only the rows it owns. Parameter names stay `weight` and
+`bias`, so state-dict keys match the Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge_node.tp.mappings import reduce_from_tp
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W_local^T) + b, with the bias replicated and added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding for rows [start, start + num_rows); other ids contribute zeros before the sum."""
+
+    def __init__(self, start: int, num_rows: int, dim: int, padding_idx: int | None, device=None):
+        super().__init__()
+        self.start, self.num_rows = start, num_rows
+        self.weight = nn.Parameter(torch.empty(num_rows, dim, device=device))
+        # HF's nn.Embedding(padding_idx=...) never updates the padding row: keep that, locally indexed.
+        local_pad = None if padding_idx is None else padding_idx - start
+        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < num_rows else None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.num_rows == 0:
+            out = self.weight.new_zeros(*input_ids.shape, self.weight.shape[1])
+        else:
+            outside = (input_ids < self.start) | (input_ids >= self.start + self.num_rows)
+            local_ids = (input_ids - self.start).masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out)
+
+
+class HeadlessAttention(nn.Module):
+    """Attention of a rank that owns no KV group: it still joins the o_proj all-reduce.
+
+    HF attention reshapes to (..., -1, head_dim), which is undefined for zero
+    heads, so such a rank swaps the whole attention for this module. Its
+    (empty) input stays connected to the graph so that the backward all-reduce
+    of `copy_to_tp` runs on this rank as on every other.
+    """
+
+    def __init__(self, o_proj: RowParallelLinear):
+        super().__init__()
+        self.o_proj = o_proj
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        empty = hidden_states[..., :0]  # (B, T, 0), still part of the graph
+        return self.o_proj(empty), None

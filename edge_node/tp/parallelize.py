@@ -1,0 +1,86 @@
+"""`parallelize`: turn a Hugging Face Llama-family model into one rank's shard of it.
+
+Order matters and mirrors the model's data flow:
+1. vocabulary-parallel embedding (its output is summed across ranks);
+2. per decoder layer: copy_to_tp after each norm (the replicated input of the
+   attention and MLP blocks), column-parallel q/k/v and gate/up, row-parallel
+   o and down; a rank with no KV group gets `HeadlessAttention`;
+3. copy_to_tp after the final norm, then the vocabulary-parallel LM head
+   (tied to the embedding shard when the model ties them).
+The model's own forward code is untouched. Works on a meta-device model, so
+nothing full-sized is ever allocated.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParallelEmbedding
+from edge_node.tp.mappings import copy_to_tp
+from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice
+from xronos.errors import XronosError
+from xronos.splits import ModelDims, ShardSplit
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_supported(config) -> None:
+    """Refuse architectures whose layout the plan does not describe."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise XronosError(
+            f"unsupported architecture {model_type!r}: Xronos shards {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "models (q/k/v/o attention and gate/up/down MLP)"
+        )
+
+
+def _copy_output_to_tp(module, inputs, output):
+    return copy_to_tp(output)
+
+
+def _sharded(linear: nn.Linear, name: str, style, split: ShardSplit, rank: int, dims: ModelDims) -> nn.Module:
+    """A shard-sized replacement for `linear` (parameters on the same device, uninitialised)."""
+    part = param_slice(f"{name}.weight", split, rank, dims)
+    device = linear.weight.device
+    has_bias = linear.bias is not None
+    if isinstance(style, ColumnParallel):
+        return nn.Linear(linear.in_features, part.size, bias=has_bias, device=device)
+    return RowParallelLinear(part.size, linear.out_features, bias=has_bias, device=device)
+
+
+def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
+    """Swap in rank `rank`'s shards of every parallel module, in place; returns the model."""
+    check_supported(model.config)
+    dims = ModelDims.from_config(model.config)
+    split.check(dims)
+    base = model.model
+
+    lo, hi = split.interval("vocab_rows", rank)
+    device = base.embed_tokens.weight.device
+    base.embed_tokens = VocabParallelEmbedding(lo, hi - lo, dims.hidden_size, model.config.pad_token_id, device)
+
+    for i, layer in enumerate(base.layers):
+        prefix = f"model.layers.{i}"
+        layer.input_layernorm.register_forward_hook(_copy_output_to_tp)
+        layer.post_attention_layernorm.register_forward_hook(_copy_output_to_tp)
+        for suffix, style in LAYER_PLAN.items():
+            parent_path, _, attr = suffix.rpartition(".")
+            parent = layer.get_submodule(parent_path)
+            setattr(parent, attr, _sharded(getattr(parent, attr), f"{prefix}.{suffix}", style, split, rank, dims))
+        if split.kv_groups[rank] == 0:
+            layer.self_attn = HeadlessAttention(layer.self_attn.o_proj)
+
+    base.norm.register_forward_hook(_copy_output_to_tp)
+    model.lm_head = nn.Linear(dims.hidden_size, hi - lo, bias=False, device=device)
+    tie_vocab_shards(model)
+    return model
+
+
+def tie_vocab_shards(model: nn.Module) -> None:
+    """Share the embedding shard with the LM head when the model ties them.
+
+    Call again after `to_empty`/`to`, which give each module its own new parameter.
+    """
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+

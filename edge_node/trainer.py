@@ -1,0 +1,186 @@
+"""One rank's training loop: setup, step, checkpoint, close (the shape of torchtitan's Trainer).
+
+`mode == "single"` trains the plain Hugging Face model with its own loss, the
+reference every tensor-parallel mode must match; otherwise the rank trains
+its shard with the vocabulary-parallel loss. Everything else (data order,
+AdamW, checkpoints, timing) is shared, so differences between modes are the
+parallelism alone.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load_file
+
+from edge_node import checkpoint
+from edge_node.data import batch_rows
+from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_full, load_shard
+from edge_node.tp.comm import CLOCK
+from edge_node.tp.cross_entropy import causal_lm_loss
+from edge_node.tp.plan import param_slice
+from xronos.job import JobOptions
+from xronos.report import RankResult
+from xronos.splits import ModelDims, ShardSplit
+
+KEEP_CHECKPOINTS = 2
+
+
+class WorkerSpec(BaseModel):
+    """Everything one rank needs to run its part of a job."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job: JobOptions
+    rank: int
+    split: ShardSplit
+    master_addr: str = "127.0.0.1"
+    master_port: int
+    rows_file: str
+    result_file: str
+    threads: int = 1
+    show_progress: bool = False
+
+
+class Trainer:
+    def __init__(self, spec: WorkerSpec):
+        self.spec, self.job, self.rank = spec, spec.job, spec.rank
+        self.world = spec.split.world_size
+        self.tensor_parallel = self.job.mode != "single"
+        torch.set_num_threads(spec.threads)
+        torch.manual_seed(self.job.seed)
+        if self.world > 1 or self.tensor_parallel:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+                rank=self.rank,
+                world_size=self.world,
+            )
+        self.output = Path(self.job.output)
+        resume_from = checkpoint.latest_checkpoint(self.output) if self.job.resume else None
+        source = resume_from or Path(self.job.model)
+        config = load_config(source)
+        self.dims = ModelDims.from_config(config)
+        self.shapes = full_param_shapes(config)
+        self.model = load_shard(source, spec.split, self.rank) if self.tensor_parallel else load_full(source)
+        self.vocab_start = spec.split.interval("vocab_rows", self.rank)[0]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.job.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+        self.rows = load_file(spec.rows_file)["input_ids"]
+        self.start_step, self.losses = 0, []
+        if resume_from is not None:
+            self._restore(resume_from)
+        self.step_seconds: list[float] = []
+        self.comm_seconds: list[float] = []
+        if dist.is_initialized():
+            dist.barrier()  # slow devices also load slowly: start the first step's clock together
+
+    # -- slices -----------------------------------------------------------
+    def slice_of(self, name: str, rank: int):
+        return param_slice(name, self.spec.split, rank, self.dims) if self.tensor_parallel else None
+
+    # -- training ---------------------------------------------------------
+    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tensor_parallel:
+            return self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        logits = self.model(input_ids=input_ids, use_cache=False).logits  # (B, T, V_local)
+        return causal_lm_loss(logits, input_ids, self.vocab_start)
+
+    def train_step(self, step: int) -> float:
+        """One optimizer step over the step's rows, in `grad_accum` micro-batches; returns the mean loss."""
+        job = self.job
+        rows = self.rows[batch_rows(step, job.batch_size, len(self.rows), job.seed, job.shuffle)]
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in rows.chunk(job.grad_accum):
+            loss = self.loss(micro) / job.grad_accum
+            loss.backward()
+            total += loss.item()
+        self.optimizer.step()
+        return total
+
+    def train(self) -> None:
+        steps = range(self.start_step, self.job.steps)
+        bar = None
+        if self.spec.show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.job.steps, initial=self.start_step, desc=f"{self.job.mode}", file=sys.stderr, unit="step")
+        for step in steps:
+            comm0, t0 = CLOCK.seconds, time.perf_counter()
+            loss = self.train_step(step)
+            self.step_seconds.append(time.perf_counter() - t0)
+            self.comm_seconds.append(CLOCK.seconds - comm0)
+            self.losses.append(loss)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
+                bar.update()
+            every = self.job.checkpoint_every
+            if every and (step + 1) % every == 0 and step + 1 < self.job.steps:
+                self.save_checkpoint(step + 1)
+        if bar is not None:
+            bar.close()
+        self.save_final()
+
+    # -- checkpoints --------------------------------------------------------
+    def _save(self, final: Path, with_optimizer: bool, state: dict | None) -> None:
+        checkpoint.save(
+            final,
+            Path(self.job.model),
+            self.model,
+            self.shapes,
+            self.slice_of,
+            self.rank,
+            self.world,
+            optimizer=self.optimizer if with_optimizer else None,
+            trainer_state=state,
+        )
+
+    def save_checkpoint(self, step: int) -> None:
+        """A resumable checkpoint: model, AdamW moments, step and losses so far."""
+        adam_step = self.optimizer.state[next(iter(self.model.parameters()))].get("step", torch.tensor(0.0))
+        state = {"step": step, "adam_step": float(adam_step), "losses": self.losses}
+        self._save(checkpoint.checkpoint_dir(self.output, step), True, state)
+        if self.rank == 0:
+            checkpoint.prune_checkpoints(self.output, KEEP_CHECKPOINTS)
+
+    def save_final(self) -> None:
+        """The fine-tuned model in HF format, directly in `output` (beside `checkpoints/`)."""
+        self._save(self.output / ".final", False, None)
+        if self.rank == 0:
+            checkpoint.promote_files(self.output / ".final", self.output)
+
+    def _restore(self, directory: Path) -> None:
+        """Continue from a checkpoint: the model was loaded from it; now AdamW and the step."""
+        state = json.loads((directory / checkpoint.TRAINER_STATE).read_text())
+        readers = {key: SafetensorsReader(directory, stem=key) for key in ("exp_avg", "exp_avg_sq")}
+        for name, param in self.model.named_parameters():
+            part = self.slice_of(name, self.rank)
+            self.optimizer.state[param] = {
+                "step": torch.tensor(state["adam_step"], dtype=torch.float32),
+                **{key: reader.read(name, part) for key, reader in readers.items()},
+            }
+        self.start_step, self.losses = state["step"], list(state["losses"])
+
+    # -- results ------------------------------------------------------------
+    def result(self) -> RankResult:
+        return RankResult(
+            rank=self.rank,
+            losses=self.losses,
+            step_seconds=self.step_seconds,
+            comm_seconds=self.comm_seconds,
+            param_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""Checkpoints: HF-loadable, atomic, and resumable with a different split and world size."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from edge_node import checkpoint
+from edge_node.launcher import run_local
+from tests.conftest import SEQ_LEN
+from xronos.job import JobOptions
+
+
+def _job(model, data, out, mode, **kw):
+    return JobOptions(model=str(model), data=str(data), output=str(out), mode=mode, steps=6, batch_size=4,
+                      seq_len=SEQ_LEN, lr=2e-3, seed=5, checkpoint_every=3, **kw)
+
+
+def test_resume_with_another_split_continues_the_same_training(model_dir, data_file, tmp_path):
+    model = model_dir("gqa_tied")
+    first = tmp_path / "first"
+    full = run_local(_job(model, data_file, first, "xronos"), 3, speeds=[1, 0.5, 0.25], show_progress=False)
+    ckpt = checkpoint.latest_checkpoint(first)
+    assert ckpt is not None and ckpt.name == "step-00000003"
+    assert AutoModelForCausalLM.from_pretrained(ckpt) is not None  # a checkpoint is a plain HF model
+
+    # A crash at step 4 of another run: only the step-3 checkpoint survives. Resume on 2 even ranks.
+    second = tmp_path / "second"
+    shutil.copytree(ckpt, second / "checkpoints" / ckpt.name)
+    resumed = run_local(_job(model, data_file, second, "tp", resume=True), 2, show_progress=False)
+
+    assert len(resumed.losses) == 6 and len(resumed.step_seconds) == 3
+    for got, want in zip(resumed.losses, full.losses):
+        assert abs(got - want) / want < 1e-5
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-4, msg=key)
+
+
+def test_half_written_checkpoints_are_never_picked(tmp_path):
+    root = tmp_path / checkpoint.CHECKPOINTS
+    good = checkpoint.checkpoint_dir(tmp_path, 4)
+    good.mkdir(parents=True)
+    (good / checkpoint.TRAINER_STATE).write_text("{}")
+    (root / ".tmp-step-00000008-123").mkdir()  # a crash mid-write leaves only a temporary name
+    (root / "step-00000009").mkdir()  # no trainer state: not complete
+    assert checkpoint.latest_checkpoint(tmp_path) == good
+
+
+def test_publish_keeps_the_old_directory_until_the_new_one_is_in_place(tmp_path):
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    (final / "old").write_text("1")
+    tmp = tmp_path / "new"
+    tmp.mkdir()
+    (tmp / "new").write_text("2")
+    checkpoint.publish_dir(tmp, final)
+    assert [p.name for p in final.iterdir()] == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_streamed_safetensors_split_into_indexed_files(tmp_path):
+    from safetensors.torch import load_file as load
+
+    from edge_node.model_io import SafetensorsReader
+    from edge_node.tp.plan import Slice
+
+    tensors = {"a": torch.randn(3, 4), "b.weight": torch.randn(10), "c": torch.randn(2, 2, 2)}
+    shapes = {k: v.shape for k, v in tensors.items()}
+    checkpoint.write_safetensors(tmp_path, "model", shapes, iter(tensors.items()), max_bytes=48)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+    assert torch.equal(load(tmp_path / files[1])["b.weight"], tensors["b.weight"])
+    reader = SafetensorsReader(tmp_path)
+    assert torch.equal(reader.read("a", Slice(1, 1, 3)), tensors["a"][:, 1:3])
+    assert torch.equal(reader.read("c"), tensors["c"])

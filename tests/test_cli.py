@@ -1,0 +1,98 @@
+"""Bad input: one line naming the problem, a non-zero exit, no traceback; dead workers stop the job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import GPT2Config
+
+from tests.conftest import SEQ_LEN
+from xronos.cli import main
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def base_args(model, data, out):
+    return ["run", "--model", str(model), "--data", str(data), "--output", str(out), "--steps", "2",
+            "--batch-size", "2", "--seq-len", str(SEQ_LEN), "--quiet"]
+
+
+def test_split_that_does_not_sum(model_dir, data_file, tmp_path, capsys):
+    code, err = run_cli(base_args(model_dir("mha_untied"), data_file, tmp_path) + ["--nodes", "3", "--split", "kv=5/2/2"], capsys)
+    assert code == 2 and err == ["xronos: error: split kv_groups 5+2+2=9 does not sum to the model's 8"]
+
+
+def test_split_with_wrong_rank_count(model_dir, data_file, tmp_path, capsys):
+    code, err = run_cli(base_args(model_dir("mha_untied"), data_file, tmp_path) + ["--nodes", "3", "--split", "kv=4/4"], capsys)
+    assert code == 2 and len(err) == 1 and "one entry per rank" in err[0]
+
+
+def test_missing_model_directory(data_file, tmp_path, capsys):
+    code, err = run_cli(base_args(tmp_path / "nope", data_file, tmp_path / "o"), capsys)
+    assert code == 2 and err == [f"xronos: error: model directory '{tmp_path / 'nope'}' has no config.json (expected a Hugging Face model)"]
+
+
+def test_unsupported_architecture(data_file, tmp_path, capsys):
+    GPT2Config().save_pretrained(tmp_path / "gpt2")
+    code, err = run_cli(base_args(tmp_path / "gpt2", data_file, tmp_path / "o"), capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("xronos: error: unsupported architecture 'gpt2'")
+
+
+def test_rows_shorter_than_seq_len(model_dir, data_file, tmp_path, capsys):
+    args = base_args(model_dir("mha_untied"), data_file, tmp_path)
+    args[args.index("--seq-len") + 1] = "999"
+    code, err = run_cli(args, capsys)
+    assert code == 2 and len(err) == 1 and "shorter than --seq-len 999" in err[0]
+
+
+def test_unknown_mode_is_refused_by_the_parser(model_dir, data_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(base_args(model_dir("mha_untied"), data_file, tmp_path) + ["--mode", "fast"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_path):
+    """SIGKILL rank 1 mid-job: the launcher stops the others and names rank 1 and the signal."""
+    cmd = [sys.executable, "-m", "xronos.cli", *base_args(model_dir("mha_untied"), data_file, tmp_path / "o"), "--nodes", "3"]
+    cmd[cmd.index("--steps") + 1] = "100000"
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 120
+    workers = []
+    while time.monotonic() < deadline and len(workers) < 3:
+        workers = _children(launcher.pid)
+        time.sleep(0.2)
+    assert len(workers) == 3
+    rank1 = next(p for p in workers if Path(f"/proc/{p}/cmdline").read_bytes().endswith(b"spec-1.json\0"))
+    time.sleep(8)  # let the job start training
+    os.kill(rank1, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 2
+    assert "xronos: error: worker rank 1 was killed by SIGKILL" in err
+    assert "Traceback" not in err.split("xronos: error:")[-1]
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in workers), "orphan worker processes left behind"

@@ -1,0 +1,61 @@
+"""Pure split arithmetic: sums, proportions, slices, and the errors users see."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controller.planning import MLP_BLOCK, even_split, split_for_mode, split_units, weighted_split
+from edge_node.tp.plan import Slice, param_slice
+from xronos.errors import XronosError
+from xronos.splits import ModelDims, ShardSplit
+
+DIMS = ModelDims(
+    hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+)
+
+
+@given(
+    total=st.integers(0, 5000),
+    weights=st.lists(st.floats(0.01, 10), min_size=1, max_size=12),
+    block=st.sampled_from([1, 8, 64]),
+)
+def test_split_units_sums_and_is_near_proportional(total, weights, block):
+    parts = split_units(total, weights, block)
+    assert sum(parts) == total and len(parts) == len(weights)
+    blocks = total // block
+    for part, w in zip(parts, weights):
+        ideal = w / sum(weights) * blocks
+        assert abs(part // block - ideal) <= 1 + (total % block > 0)
+
+
+def test_even_and_speed_splits():
+    assert even_split(DIMS, 3).kv_groups == [1, 1, 1]
+    assert even_split(DIMS, 2).kv_groups == [2, 1]
+    fast = weighted_split(DIMS, [1, 0.5, 0.25])
+    assert fast.mlp_columns[0] > fast.mlp_columns[1] > fast.mlp_columns[2]
+    assert all(c % MLP_BLOCK == 0 for c in fast.mlp_columns)
+    assert split_for_mode("single", DIMS, 3, None).world_size == 1
+
+
+def test_split_that_does_not_sum_names_the_dimension():
+    with pytest.raises(XronosError, match=r"kv_groups 2\+2=4 does not sum to the model's 3"):
+        ShardSplit(kv_groups=[2, 2], mlp_columns=[1536, 0], vocab_rows=[49152, 0]).check(DIMS)
+    with pytest.raises(ValueError, match="one entry per rank"):
+        ShardSplit(kv_groups=[3], mlp_columns=[1536, 0], vocab_rows=[49152, 0])
+
+
+def test_param_slices_follow_groups_and_units():
+    split = ShardSplit(kv_groups=[2, 0, 1], mlp_columns=[1000, 536, 0], vocab_rows=[0, 100, 49052])
+    q = "model.layers.7.self_attn.q_proj.weight"
+    assert param_slice(q, split, 0, DIMS) == Slice(0, 0, 2 * 3 * 64)  # 2 groups of 3 query heads
+    assert param_slice(q, split, 2, DIMS) == Slice(0, 384, 576)
+    assert param_slice("model.layers.0.self_attn.k_proj.bias", split, 2, DIMS) == Slice(0, 128, 192)
+    assert param_slice("model.layers.0.self_attn.o_proj.weight", split, 1, DIMS).size == 0
+    assert param_slice("model.layers.0.mlp.down_proj.weight", split, 1, DIMS) == Slice(1, 1000, 1536)
+    assert param_slice("model.layers.0.mlp.down_proj.bias", split, 1, DIMS) is None
+    assert param_slice("lm_head.weight", split, 2, DIMS) == Slice(0, 100, 49152)
+    assert param_slice("model.norm.weight", split, 0, DIMS) is None
+    assert param_slice("model.layers.3.input_layernorm.weight", split, 0, DIMS) is None

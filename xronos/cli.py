@@ -1,0 +1,143 @@
+"""The `xronos` command line (contract in DESIGN.md).
+
+Every user mistake becomes one line `xronos: error: ...` and a non-zero exit;
+heavy imports (torch, transformers) happen inside the subcommands so that
+`--help` and argument errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from xronos import __version__
+from xronos.errors import XronosError
+from xronos.job import MODES
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows"}
+
+
+def parse_split(text: str) -> dict[str, list[int]]:
+    """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}."""
+    out = {}
+    for item in text.split(","):
+        key, _, values = item.partition("=")
+        if key.strip() not in SPLIT_KEYS or not values:
+            raise argparse.ArgumentTypeError(
+                f"bad --split item {item!r}: use kv=A/B/..., mlp=A/B/..., vocab=A/B/... separated by commas"
+            )
+        try:
+            out[SPLIT_KEYS[key.strip()]] = [int(v) for v in values.split("/")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: sizes must be integers") from None
+    return out
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--data", required=True, help="JSONL of {\"input_ids\": [...]} rows, or a text file")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (divides --batch-size)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-shuffle", action="store_true", help="step k uses rows k*B .. k*B+B-1")
+    p.add_argument("--output", required=True, help="directory for the fine-tuned model and checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
+
+
+def _job_from_args(args):
+    from xronos.job import JobOptions
+
+    return JobOptions(
+        model=args.model,
+        data=args.data,
+        output=args.output,
+        mode=args.mode,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+        shuffle=not args.no_shuffle,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+    )
+
+
+def cmd_run(args) -> int:
+    from edge_node.launcher import run_local
+    from xronos.summary import print_report
+
+    job = _job_from_args(args)
+    report = run_local(job, args.nodes, args.speeds, args.split, threads=args.threads, show_progress=not args.quiet)
+    if args.report:
+        Path(args.report).write_text(report.model_dump_json(indent=2))
+    print_report(report)
+    print(f"model written to {job.output}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from xronos.demo import run_demo
+
+    return run_demo(workdir=args.workdir, steps=args.steps, speeds=args.speeds)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xronos", description="Heterogeneity-aware tensor-parallel fine-tuning on CPU edge devices.")
+    parser.add_argument("--version", action="version", version=f"xronos {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a whole job on this machine, one worker process per emulated device")
+    _add_job_options(run)
+    run.add_argument("--nodes", type=int, default=3, help="number of emulated devices")
+    run.add_argument("--speeds", type=_floats, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
+    run.add_argument("--mode", choices=MODES, default="xronos")
+    run.add_argument("--split", type=parse_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56")
+    run.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    run.add_argument("--report", help="write the JSON report here")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="one command, one machine: a small job on 3 emulated devices, even vs speed-aware")
+    demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")
+    demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--speeds", type=_floats, default=[1.0, 0.5, 0.25])
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except XronosError as err:
+        print(f"xronos: error: {err}", file=sys.stderr)
+        return 2
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        print(f"xronos: error: {where + ': ' if where else ''}{first['msg']}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("xronos: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
