@@ -12,10 +12,6 @@ from fractions import Fraction
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
 
-MLP_BLOCK = 64
-"""MLP intermediate columns move between ranks in blocks of this many."""
-
-
 def split_units(total: int, weights: list[float], block: int = 1) -> list[int]:
     """Split `total` into len(weights) integer parts proportional to `weights`.
 
@@ -40,8 +36,8 @@ def weighted_split(dims: ModelDims, weights: list[float]) -> ShardSplit:
     """Every dimension split in proportion to `weights` (equal weights = even TP)."""
     return ShardSplit(
         kv_groups=split_units(dims.num_kv_heads, weights),
-        mlp_columns=split_units(dims.intermediate_size, weights, MLP_BLOCK),
-        vocab_rows=split_units(dims.vocab_size, weights, MLP_BLOCK),
+        mlp_columns=split_units(dims.intermediate_size, weights, dims.mlp_block),
+        vocab_rows=split_units(dims.vocab_size, weights, dims.vocab_block),
     ).check(dims)
 
 

@@ -25,14 +25,18 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from controller.partitioner import plan_partition
+from controller.pipeline_plan import plan_pipeline
 from controller.planning import split_for_mode
 from edge_node.cpu_quota import make_quota
 from edge_node.data import load_rows
 from edge_node.model_io import load_config
+from edge_node.profiler import available_memory_bytes
 from edge_node.trainer import WorkerSpec
 from xronos.errors import XronosError
 from xronos.job import JobOptions
-from xronos.report import RankResult, RunReport, build_report
+from xronos.profiles import DeviceProfile
+from xronos.report import ExcludedDevice, LocalAssignment, RankResult, RunReport, build_report
 from xronos.splits import ModelDims
 
 PR_SET_PDEATHSIG = 1
@@ -51,9 +55,10 @@ def free_port() -> int:
 class _Worker:
     """A worker process with its stderr teed to a log file (and, for rank 0, the terminal)."""
 
-    def __init__(self, rank: int, spec_file: Path, log_file: Path, echo: bool, threads: int):
+    def __init__(self, device: int, spec_file: Path, log_file: Path, echo: bool, threads: int):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        self.rank = rank
+        self.device = device
+        self.rank: int | None = None  # known once the split is
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edge_node.worker", str(spec_file)],
             stdout=subprocess.DEVNULL,
@@ -81,7 +86,8 @@ class _Worker:
         rc = self.proc.returncode
         how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
         last = next((line for line in reversed(self.tail) if line.strip()), "")
-        return f"worker rank {self.rank} {how}" + (f": {last.strip()}" if last else "")
+        who = f"worker for device {self.device}" if self.rank is None else f"worker rank {self.rank}"
+        return f"{who} {how}" + (f": {last.strip()}" if last else "")
 
 
 def _stop_all(workers: list[_Worker]) -> None:
@@ -97,8 +103,8 @@ def _stop_all(workers: list[_Worker]) -> None:
             w.proc.wait()
 
 
-def _watch(workers: list[_Worker]) -> None:
-    """Wait for all workers; on the first failure stop the rest and raise with its cause."""
+def _watch(workers: list[_Worker], until=None) -> None:
+    """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause."""
     try:
         while True:
             codes = [w.proc.poll() for w in workers]
@@ -106,12 +112,18 @@ def _watch(workers: list[_Worker]) -> None:
             if failed is not None:
                 _stop_all(workers)
                 raise XronosError(failed.cause())
-            if all(rc == 0 for rc in codes):
+            if all(rc == 0 for rc in codes) or (until is not None and until()):
                 return
             time.sleep(0.05)
     except BaseException:
         _stop_all(workers)
         raise
+
+
+def _write_json(path: Path, model) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(model.model_dump_json())
+    os.replace(tmp, path)
 
 
 def run_local(
@@ -122,16 +134,36 @@ def run_local(
     threads: int = 1,
     show_progress: bool = True,
 ) -> RunReport:
-    """Run `job` on `nodes` local workers (one for `single`) and return its report."""
+    """Run `job` on `nodes` local workers (one for `single`) and return its report.
+
+    Mode `xronos` without an explicit split profiles every worker under its quota
+    first, then plans with the exact partitioner; the others split by rule.
+    """
     if speeds is not None and len(speeds) != nodes:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {nodes}")
     if speeds is not None and any(s <= 0 for s in speeds):
         raise XronosError(f"speeds must be positive, got {speeds}")
     dims = ModelDims.from_config(load_config(job.model))
     rows = load_rows(job.data, job.seq_len, job.model, dims.vocab_size)
-    split = split_for_mode(job.mode, dims, nodes, speeds, split_override)
-    world = split.world_size
-    node_speeds = (speeds or [None] * nodes)[:world]
+    split_override = dict(split_override or {})
+    layer_counts = split_override.pop("layers", None)
+    if layer_counts is not None and (job.mode != "pp" or split_override):
+        raise XronosError("--split layers=... is for --mode pp alone")
+    stages = None
+    if layer_counts is not None:
+        if len(layer_counts) != nodes or sum(layer_counts) != dims.num_layers:
+            raise XronosError(f"split layers {'+'.join(map(str, layer_counts))} must give {nodes} stages "
+                              f"summing to the model's {dims.num_layers} layers")
+        if any(count == 0 for count in layer_counts[1:-1]):
+            raise XronosError("a middle pipeline stage needs at least one layer")
+        if (job.micro_batches or job.batch_size) < nodes:
+            raise XronosError(f"a 1F1B pipeline of {nodes} stages needs at least {nodes} micro-batches")
+        ends = [sum(layer_counts[: i + 1]) for i in range(nodes)]
+        stages = [(end - count, end) for end, count in zip(ends, layer_counts)]
+    profiled = (job.mode == "pp" and stages is None) or (job.mode == "xronos" and not split_override)
+    split = None if profiled or job.mode == "pp" else split_for_mode(job.mode, dims, nodes, speeds, split_override)
+    n_workers = 1 if job.mode == "single" else nodes
+    device_speeds = (speeds or [None] * nodes)[:n_workers]
 
     run_dir = Path(tempfile.mkdtemp(prefix="xronos-run-"))
     run_id = uuid.uuid4().hex[:8]
@@ -139,28 +171,62 @@ def run_local(
     try:
         save_file({"input_ids": rows}, run_dir / "rows.safetensors")
         port = free_port()
-        for rank in range(world):
+        memory = available_memory_bytes() // n_workers
+        for device in range(n_workers):
             spec = WorkerSpec(
-                job=job,
-                rank=rank,
-                split=split,
-                master_port=port,
-                rows_file=str(run_dir / "rows.safetensors"),
-                result_file=str(run_dir / f"result-{rank}.json"),
-                threads=threads,
-                show_progress=show_progress and rank == 0,
+                job=job, device=device, speed_hint=device_speeds[device], memory_bytes=memory,
+                rank=None if profiled else device, split=split, stages=stages,
+                micro_batches=job.micro_batches or job.batch_size,
+                profile_file=str(run_dir / f"profile-{device}.json") if profiled else None,
+                plan_file=str(run_dir / "plan.json") if profiled else None,
+                master_port=port, rows_file=str(run_dir / "rows.safetensors"),
+                result_file=str(run_dir / f"result-{device}.json"), threads=threads,
+                show_progress=show_progress and device == 0,
             )
-            spec_file = run_dir / f"spec-{rank}.json"
+            spec_file = run_dir / f"spec-{device}.json"
             spec_file.write_text(spec.model_dump_json())
-            worker = _Worker(rank, spec_file, run_dir / f"rank-{rank}.log", echo=show_progress and rank == 0, threads=threads)
+            worker = _Worker(device, spec_file, run_dir / f"device-{device}.log", echo=show_progress and device == 0, threads=threads)
+            worker.rank = None if profiled else device
             workers.append(worker)
-            if node_speeds[rank] is not None:
-                quota = make_quota(f"xronos-{run_id}-r{rank}", node_speeds[rank])
+            if device_speeds[device] is not None:
+                quota = make_quota(f"xronos-{run_id}-d{device}", device_speeds[device])
                 quotas.append(quota)
                 quota.add(worker.proc.pid)
+
+        devices, predicted, excluded = list(range(n_workers)), None, []
+        if profiled:
+            profile_files = [run_dir / f"profile-{d}.json" for d in range(n_workers)]
+            _watch(workers, until=lambda: all(p.is_file() for p in profile_files))
+            profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files]
+            if job.mode == "pp":
+                plan = plan_pipeline(profiles, dims, job.batch_size, job.micro_batches or job.batch_size)
+                ranks = [plan.devices.index(d) if d in plan.devices else None for d in range(n_workers)]
+                stages = plan.stages
+                assignment = LocalAssignment(ranks=ranks, stages=stages, micro_batches=plan.micro_batches)
+                predicted = [plan.stage_seconds[r] * plan.micro_batches for r in range(len(stages))]
+                reasons = ["a faster pipeline leaves it out"] * n_workers
+            else:
+                plan = plan_partition(profiles, dims, job.batch_size // job.grad_accum, job.seq_len)
+                split = plan.split
+                ranks = [d.rank for d in plan.devices]
+                assignment = LocalAssignment(ranks=ranks, split=split)
+                predicted = [plan.devices[d].compute_seconds * job.grad_accum for d in sorted(
+                    (d for d in range(n_workers) if ranks[d] is not None), key=lambda d: ranks[d])]
+                reasons = [c.reason for c in plan.devices]
+            for worker, rank in zip(workers, ranks):
+                worker.rank = rank
+            _write_json(run_dir / "plan.json", assignment)
+            devices = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
+            excluded = [ExcludedDevice(device=d, speed=device_speeds[d], reason=reasons[d])
+                        for d in range(n_workers) if ranks[d] is None]
         _watch(workers)
-        results = [RankResult.model_validate_json((run_dir / f"result-{r}.json").read_text()) for r in range(world)]
-        return build_report(job.mode, split, node_speeds, results)
+        results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
+        report = build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
+                              stages=stages, dims=dims)
+        if profiled:
+            report = report.model_copy(update={"predicted_step_seconds": plan.predicted_step_seconds * job.grad_accum,
+                                               "excluded": excluded})
+        return report
     finally:
         _stop_all(workers)
         for quota in quotas:

@@ -69,7 +69,7 @@ class SafetensorsReader:
         return tensor.to(torch.float32)
 
 
-def _reset_rotary(model: nn.Module, config) -> None:
+def reset_rotary(model: nn.Module, config) -> None:
     """Recompute non-persistent rotary buffers that `to_empty` left uninitialised."""
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
@@ -94,7 +94,7 @@ def load_shard(model_dir: str | os.PathLike, split: ShardSplit, rank: int) -> nn
     parallelize(model, split, rank)
     model.to_empty(device="cpu")
     tie_vocab_shards(model)
-    _reset_rotary(model, config)
+    reset_rotary(model, config)
     reader = SafetensorsReader(model_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from edge_node import checkpoint
@@ -34,13 +34,24 @@ KEEP_CHECKPOINTS = 2
 
 
 class WorkerSpec(BaseModel):
-    """Everything one rank needs to run its part of a job."""
+    """Everything one worker needs to run its part of a job.
+
+    Without `rank` (modes `xronos` and `pp`), the worker first profiles itself, writes
+    `profile_file`, and waits for `plan_file` to tell its rank (or that it sits out).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     job: JobOptions
-    rank: int
-    split: ShardSplit
+    device: int
+    rank: int | None = None
+    split: ShardSplit | None = None
+    speed_hint: float | None = None
+    memory_bytes: int | None = None
+    profile_file: str | None = None
+    plan_file: str | None = None
+    stages: list[tuple[int, int]] | None = Field(None, description="Pipeline mode: layers [lo, hi) of each rank.")
+    micro_batches: int = Field(1, description="Pipeline mode: micro-batches per step.")
     master_addr: str = "127.0.0.1"
     master_port: int
     rows_file: str
@@ -51,12 +62,13 @@ class WorkerSpec(BaseModel):
 
 class Trainer:
     def __init__(self, spec: WorkerSpec):
+        assert spec.rank is not None, "a trainer needs its rank"
         self.spec, self.job, self.rank = spec, spec.job, spec.rank
-        self.world = spec.split.world_size
-        self.tensor_parallel = self.job.mode != "single"
+        self.world = self.world_size()
+        self.tensor_parallel = self.job.mode in ("tp", "xronos")
         torch.set_num_threads(spec.threads)
         torch.manual_seed(self.job.seed)
-        if self.world > 1 or self.tensor_parallel:
+        if self.world > 1 or self.job.mode != "single":
             dist.init_process_group(
                 "gloo",
                 init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
@@ -69,8 +81,7 @@ class Trainer:
         config = load_config(source)
         self.dims = ModelDims.from_config(config)
         self.shapes = full_param_shapes(config)
-        self.model = load_shard(source, spec.split, self.rank) if self.tensor_parallel else load_full(source)
-        self.vocab_start = spec.split.interval("vocab_rows", self.rank)[0]
+        self.model = self.load_model(source, config)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.job.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
         )
@@ -83,9 +94,25 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()  # slow devices also load slowly: start the first step's clock together
 
-    # -- slices -----------------------------------------------------------
+    # -- what this rank holds (overridden by the pipeline trainer) ---------------
+    def world_size(self) -> int:
+        return self.spec.split.world_size
+
+    def load_model(self, source: Path, config):
+        if not self.tensor_parallel:
+            return load_full(source)
+        self.vocab_start = self.spec.split.interval("vocab_rows", self.rank)[0]
+        return load_shard(source, self.spec.split, self.rank)
+
     def slice_of(self, name: str, rank: int):
         return param_slice(name, self.spec.split, rank, self.dims) if self.tensor_parallel else None
+
+    def checkpoint_key(self, name: str) -> str:
+        """The name a local parameter's full tensor has in a checkpoint."""
+        return name
+
+    def comm_seconds_of_step(self, wall: float, clock_before: float) -> float:
+        return CLOCK.seconds - clock_before
 
     # -- training ---------------------------------------------------------
     def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -118,7 +145,7 @@ class Trainer:
             comm0, t0 = CLOCK.seconds, time.perf_counter()
             loss = self.train_step(step)
             self.step_seconds.append(time.perf_counter() - t0)
-            self.comm_seconds.append(CLOCK.seconds - comm0)
+            self.comm_seconds.append(self.comm_seconds_of_step(self.step_seconds[-1], comm0))
             self.losses.append(loss)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
@@ -166,7 +193,7 @@ class Trainer:
             part = self.slice_of(name, self.rank)
             self.optimizer.state[param] = {
                 "step": torch.tensor(state["adam_step"], dtype=torch.float32),
-                **{key: reader.read(name, part) for key, reader in readers.items()},
+                **{key: reader.read(self.checkpoint_key(name), part) for key, reader in readers.items()},
             }
         self.start_step, self.losses = state["step"], list(state["losses"])
 

@@ -8,11 +8,39 @@ A user error exits 2 with one line on stderr; anything else is a traceback
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 from edge_node.trainer import Trainer, WorkerSpec
 from xronos.errors import XronosError
+from xronos.report import LocalAssignment
+
+
+def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
+    """Profile this device, hand the profile to the launcher, and wait for the plan."""
+    from edge_node.model_io import load_config
+    from edge_node.profiler import profile_device
+
+    torch.set_num_threads(spec.threads)
+    job = spec.job
+    profile = profile_device(
+        load_config(job.model), job.batch_size // job.grad_accum, job.seq_len, spec.threads,
+        device=f"device-{spec.device}", speed_hint=spec.speed_hint, memory_bytes=spec.memory_bytes,
+    )
+    tmp = Path(f"{spec.profile_file}.tmp")
+    tmp.write_text(profile.model_dump_json())
+    os.replace(tmp, spec.profile_file)
+    plan = Path(spec.plan_file)
+    while not plan.is_file():
+        time.sleep(0.05)
+    assignment = LocalAssignment.model_validate_json(plan.read_text())
+    rank = assignment.ranks[spec.device]
+    update = {"rank": rank, "split": assignment.split, "stages": assignment.stages, "micro_batches": assignment.micro_batches}
+    return None if rank is None else spec.model_copy(update=update)
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +49,16 @@ def main(argv: list[str]) -> int:
 
     hf_logging.disable_progress_bar()
     try:
-        trainer = Trainer(spec)
+        if spec.rank is None:
+            spec = profile_and_wait(spec)
+            if spec is None:  # the plan leaves this device out
+                return 0
+        if spec.stages is not None:
+            from edge_node.pipeline import PipelineTrainer
+
+            trainer = PipelineTrainer(spec)
+        else:
+            trainer = Trainer(spec)
         trainer.train()
         Path(spec.result_file).write_text(trainer.result().model_dump_json())
         trainer.close()

@@ -108,3 +108,19 @@ def test_grad_accumulation_matches_single(model_dir, data_file, single_runs, tmp
     )
     for got, want in zip(report.losses, ref.losses):
         assert _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name,layers", [("mha_tied", "1/1/1"), ("gqa_tied", "0/1/1"), ("mha_untied", "1/1/0")])
+def test_pipeline_baseline_equals_single(name, layers, model_dir, data_file, single_runs, tmp_path):
+    """The PP baseline (1F1B over micro-batches) trains the same model: same losses, same weights."""
+    ref, ref_out = single_runs(name)
+    out = tmp_path / "out"
+    report = run_local(job(model_dir(name), data_file, out, "pp", micro_batches=4), 3,
+                       split_override={"layers": [int(x) for x in layers.split("/")]}, show_progress=False)
+    assert report.stages is not None and len(report.nodes) == 3
+    for step, (got, want) in enumerate(zip(report.losses, ref.losses)):
+        assert _rel(got, want) < 1e-5, f"step {step}: {got} vs {want}"
+    ours, theirs = load_file(out / "model.safetensors"), load_file(ref_out / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-4, msg=key)

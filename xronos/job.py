@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-Mode = Literal["single", "tp", "xronos"]
-MODES: tuple[str, ...] = ("single", "tp", "xronos")
+Mode = Literal["single", "tp", "xronos", "pp"]
+MODES: tuple[str, ...] = ("single", "tp", "xronos", "pp")
 
 
 class JobOptions(BaseModel):
@@ -28,6 +28,7 @@ class JobOptions(BaseModel):
     shuffle: bool = True
     checkpoint_every: NonNegativeInt = Field(0, description="Checkpoint every N steps (0: only the final model).")
     resume: bool = Field(False, description="Continue from the newest checkpoint under `output`.")
+    micro_batches: PositiveInt | None = Field(None, description="Pipeline mode: micro-batches per step (default: batch_size).")
 
     @model_validator(mode="after")
     def _accumulation_divides_batch(self) -> "JobOptions":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from xronos.splits import ShardSplit
+from xronos.splits import ModelDims, ShardSplit
 
 
 class RankResult(BaseModel):
@@ -27,9 +27,26 @@ class RankResult(BaseModel):
     peak_rss_bytes: int
 
 
+class LocalAssignment(BaseModel):
+    """The launcher's answer to profiled workers: each device's rank (None = left out)."""
+
+    ranks: list[int | None]
+    split: ShardSplit | None = None
+    stages: list[tuple[int, int]] | None = None
+    micro_batches: int = 1
+
+
+class ExcludedDevice(BaseModel):
+    device: int
+    speed: float | None
+    reason: str
+
+
 class NodeReport(BaseModel):
     rank: int
+    device: int
     speed: float | None
+    layers: tuple[int, int] | None = None
     kv_groups: int
     mlp_columns: int
     vocab_rows: int
@@ -39,18 +56,22 @@ class NodeReport(BaseModel):
     idle_ratio: float
     param_bytes: int
     peak_rss_bytes: int
+    predicted_compute_seconds: float | None = None
 
 
 class RunReport(BaseModel):
     mode: str
     world_size: int
-    split: ShardSplit
+    split: ShardSplit | None
+    stages: list[tuple[int, int]] | None = None
     losses: list[float]
     step_seconds: list[float]
     measured_steps: int
     mean_step_seconds: float
     idle_ratio: float
     nodes: list[NodeReport]
+    predicted_step_seconds: float | None = None
+    excluded: list[ExcludedDevice] = []
 
 
 def measured_range(n_steps: int) -> range:
@@ -58,8 +79,41 @@ def measured_range(n_steps: int) -> range:
     return range(1 if n_steps > 1 else 0, n_steps)
 
 
-def build_report(mode: str, split: ShardSplit, speeds: list[float | None], results: list[RankResult]) -> RunReport:
-    """Combine the workers' results into the report; totals are over measured steps."""
+def describe_layout(split: ShardSplit | None, stages: list[tuple[int, int]] | None) -> str:
+    if split is not None:
+        return split.describe()
+    return "layers " + "/".join(f"{lo}-{hi}" for lo, hi in stages or [])
+
+
+def _pipeline_shares(stages: list[tuple[int, int]], dims: ModelDims) -> list[tuple[int, int, int]]:
+    """What a stage holds, in TP terms: all groups and columns of its layers; the head holds the vocabulary."""
+    last = len(stages) - 1
+    return [
+        (dims.num_kv_heads if hi > lo else 0, dims.intermediate_size if hi > lo else 0, dims.vocab_size if r == last else 0)
+        for r, (lo, hi) in enumerate(stages)
+    ]
+
+
+def build_report(
+    mode: str,
+    split: ShardSplit | None,
+    speeds: list[float | None],
+    results: list[RankResult],
+    devices: list[int] | None = None,
+    predicted: list[float] | None = None,
+    stages: list[tuple[int, int]] | None = None,
+    dims: ModelDims | None = None,
+) -> RunReport:
+    """Combine the workers' results into the report; totals are over measured steps.
+
+    `speeds`, `devices` and `predicted` (compute seconds per step) are indexed by rank.
+    A pipeline run gives `stages` (and `dims`) instead of a split.
+    """
+    devices = devices or list(range(len(results)))
+    if split is not None:
+        shares = list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows))
+    else:
+        shares = _pipeline_shares(stages, dims)
     results = sorted(results, key=lambda r: r.rank)
     n = len(results[0].step_seconds)
     steps = measured_range(n)
@@ -72,10 +126,13 @@ def build_report(mode: str, split: ShardSplit, speeds: list[float | None], resul
         nodes.append(
             NodeReport(
                 rank=r.rank,
+                device=devices[r.rank],
                 speed=speeds[r.rank],
-                kv_groups=split.kv_groups[r.rank],
-                mlp_columns=split.mlp_columns[r.rank],
-                vocab_rows=split.vocab_rows[r.rank],
+                predicted_compute_seconds=predicted[r.rank] if predicted else None,
+                layers=stages[r.rank] if stages else None,
+                kv_groups=shares[r.rank][0],
+                mlp_columns=shares[r.rank][1],
+                vocab_rows=shares[r.rank][2],
                 compute_seconds=sum(c[k] for k in steps),
                 comm_seconds=sum(r.comm_seconds[k] for k in steps),
                 idle_seconds=sum(idle),
@@ -88,6 +145,7 @@ def build_report(mode: str, split: ShardSplit, speeds: list[float | None], resul
         mode=mode,
         world_size=len(results),
         split=split,
+        stages=stages,
         losses=results[0].losses,
         step_seconds=step_seconds,
         measured_steps=len(steps),

@@ -17,6 +17,11 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt, model_validator
 from xronos.errors import XronosError
 
 
+def _block(total: int, preferred: int) -> int:
+    """`preferred`, unless that leaves fewer than 16 blocks: planning needs some resolution."""
+    return preferred if total >= 16 * preferred else max(1, total // 16)
+
+
 class ModelDims(BaseModel):
     """The sizes of a Llama-family model that sharding cares about."""
 
@@ -30,6 +35,16 @@ class ModelDims(BaseModel):
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool
+
+    @property
+    def mlp_block(self) -> int:
+        """MLP columns move between ranks in blocks of this many (64, finer for tiny models)."""
+        return _block(self.intermediate_size, 64)
+
+    @property
+    def vocab_block(self) -> int:
+        """Vocabulary rows move in blocks of this many (256, finer for tiny vocabularies)."""
+        return _block(self.vocab_size, 256)
 
     @property
     def heads_per_group(self) -> int:

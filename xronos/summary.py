@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xronos.report import RunReport
+from xronos.report import RunReport, describe_layout
 
 
 def _mib(n: int) -> str:
@@ -11,7 +11,7 @@ def _mib(n: int) -> str:
 
 def print_report(report: RunReport) -> None:
     print(
-        f"\nmode {report.mode}: {report.world_size} worker(s), split {report.split.describe()}\n"
+        f"\nmode {report.mode}: {report.world_size} worker(s), {describe_layout(report.split, report.stages)}\n"
         f"final loss {report.losses[-1]:.4f}, mean step {report.mean_step_seconds:.3f} s "
         f"over {report.measured_steps} measured steps, idle ratio {report.idle_ratio:.1%}"
     )
@@ -30,4 +30,15 @@ def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
     print(f"\n{'mode':<8} {'split':<44} {'step s':>7} {'vs ' + baseline:>7} {'idle':>6} {'final loss':>10}")
     for r in reports:
         ratio = f"{r.mean_step_seconds / base.mean_step_seconds:.2f}" if base else "-"
-        print(f"{r.mode:<8} {r.split.describe()[:44]:<44} {r.mean_step_seconds:>7.3f} {ratio:>7} {r.idle_ratio:>6.1%} {r.losses[-1]:>10.4f}")
+        print(f"{r.mode:<8} {describe_layout(r.split, r.stages)[:44]:<44} {r.mean_step_seconds:>7.3f} {ratio:>7} {r.idle_ratio:>6.1%} {r.losses[-1]:>10.4f}")
+
+
+def print_plan(plan) -> None:
+    """The partitioner's plan: who holds what, predicted seconds, and who sits out and why."""
+    print(f"split {plan.split.describe()}")
+    print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)")
+    print(f"{'device':<12} {'rank':>4} {'kv':>3} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'memory MiB':>10}  note")
+    for d in plan.devices:
+        rank = "-" if d.rank is None else d.rank
+        print(f"{d.device:<12} {rank:>4} {d.kv_groups:>3} {d.mlp_columns:>6} {d.vocab_rows:>7} "
+              f"{d.compute_seconds:>9.3f} {d.memory_bytes / 2**20:>10.0f}  {d.reason or ''}")

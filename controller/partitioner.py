@@ -1,0 +1,296 @@
+"""The exact heterogeneity-aware partitioner: the split that minimises the step time.
+
+Model of one step (per micro-batch; pure arithmetic on measured profiles).
+Every all-reduce is a barrier, so a step is a sum of segments, and each
+segment lasts as long as its slowest device:
+    attention segment of a layer:  max_i (layer_fixed_i / 2 + g_i * kv_i)
+    MLP segment of a layer:        max_i (layer_fixed_i / 2 + m_i * mlp_i)
+    vocabulary segment (once):     max_i (step_fixed_i + v_i * vocab_i)
+    step = L * (attention + MLP) + vocabulary + collectives
+    collectives = n_allreduce * max over participants (latency_j + MiB * per_mib_j)
+(Balancing only each device's total would let one device do all the
+attention while the others wait, then the reverse in the MLP.) Every
+participant takes part in every all-reduce at its own CPU speed, so the
+slowest participant's collective cost is paid by all; a device whose
+participation costs more than its share saves is better left out. A lone
+device needs no collectives at all.
+
+Exact by construction: for a given set of participants the segments are
+independent, and each is an integer min-max allocation that greedy
+water-filling solves exactly; the participant sets worth trying are the
+"closed" ones (see `_closed_sets`). When a water-filled split does not fit a
+device's memory, that set is solved with its memory limits as a
+mixed-integer program by HiGHS (`scipy.optimize.milp`). Brute-force tests
+check optimality on small cases.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from xronos.errors import XronosError
+from xronos.profiles import DeviceProfile
+from xronos.splits import ModelDims, ShardSplit
+
+BYTES_PER_PARAM = 16
+"""float32 parameter + gradient + two AdamW moments."""
+RUNTIME_BYTES = 400 * 2**20
+"""Python, torch and transformers loaded: what a worker uses before any tensor."""
+
+
+class DeviceCost(BaseModel):
+    """Predicted seconds and bytes of one device for a given share."""
+
+    device: str
+    rank: int | None
+    kv_groups: int
+    mlp_columns: int
+    vocab_rows: int
+    compute_seconds: float
+    memory_bytes: int
+    reason: str | None = None
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    split: ShardSplit
+    devices: list[DeviceCost]
+    collective_seconds: float
+    predicted_step_seconds: float
+
+    @property
+    def participants(self) -> list[DeviceCost]:
+        return sorted((d for d in self.devices if d.rank is not None), key=lambda d: d.rank)
+
+
+# -- the pure cost model -----------------------------------------------------------
+
+
+def allreduces_per_step(dims: ModelDims) -> int:
+    """Per micro-batch: 2 forward + 2 backward per layer, the embedding's sum, the final norm's gradient."""
+    return 4 * dims.num_layers + 2
+
+
+def payload_mib(dims: ModelDims, micro_batch: int, seq_len: int) -> float:
+    return micro_batch * seq_len * dims.hidden_size * 4 / 2**20
+
+
+def collective_seconds(p: DeviceProfile, dims: ModelDims) -> float:
+    """This device's cost for one step's all-reduces (what every participant waits for)."""
+    mib = payload_mib(dims, p.shape.micro_batch, p.shape.seq_len)
+    return allreduces_per_step(dims) * (p.allreduce_latency_seconds + mib * p.allreduce_seconds_per_mib)
+
+
+def unit_costs(p: DeviceProfile) -> tuple[float, float, float, float, float]:
+    """(fixed per layer, per KV group per layer, per MLP block per layer, fixed per step, per vocabulary block)."""
+    return p.layer_fixed_seconds, p.kv_group_seconds, p.mlp_block_seconds, p.step_fixed_seconds, p.vocab_block_seconds
+
+
+def segments(p: DeviceProfile, dims: ModelDims, kv_groups: int, mlp_columns: float, vocab_rows: float):
+    """This device's (attention, MLP, vocabulary) segment seconds for a share."""
+    fixed, per_g, per_m, step_fixed, per_v = unit_costs(p)
+    return (
+        fixed / 2 + kv_groups * per_g,
+        fixed / 2 + mlp_columns / dims.mlp_block * per_m,
+        step_fixed + vocab_rows / dims.vocab_block * per_v,
+    )
+
+
+def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: int, mlp_columns: float, vocab_rows: float) -> float:
+    """Predicted compute seconds of one micro-step for a device holding this share."""
+    attn, mlp, vocab = segments(p, dims, kv_groups, mlp_columns, vocab_rows)
+    return dims.num_layers * (attn + mlp) + vocab
+
+
+def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tuple[int, float, float]]) -> float:
+    """Predicted step of participants `profiles` holding `shares` (kv groups, MLP columns, vocabulary rows)."""
+    segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
+    coll = max(collective_seconds(p, dims) for p in profiles) if len(profiles) > 1 else 0.0
+    return dims.num_layers * (max(s[0] for s in segs) + max(s[1] for s in segs)) + max(s[2] for s in segs) + coll
+
+
+def unit_bytes(dims: ModelDims, micro_batch: int, seq_len: int) -> tuple[float, float, float, float]:
+    """(fixed, per KV group, per MLP block, per vocabulary block) bytes: parameters with their
+    gradients and AdamW moments, plus the activations autograd keeps for the backward."""
+    h, hd, hpg, layers = dims.hidden_size, dims.head_dim, dims.heads_per_group, dims.num_layers
+    tokens = micro_batch * seq_len
+    norms = (2 * layers + 1) * h
+    fixed = RUNTIME_BYTES + BYTES_PER_PARAM * norms + 4 * tokens * h * (6 * layers + 4)
+    kv_params = layers * (2 * hpg * hd * h + 2 * hd * h)
+    kv_acts = layers * 4 * (tokens * (hpg + 2) * hd * 3 + micro_batch * hpg * seq_len * seq_len)
+    mlp_params = layers * 3 * h * dims.mlp_block
+    mlp_acts = layers * 4 * tokens * dims.mlp_block * 4
+    tied = 1 if dims.tie_word_embeddings else 2
+    vocab_params = tied * h * dims.vocab_block
+    vocab_acts = 4 * tokens * dims.vocab_block * 3
+    return (
+        fixed,
+        BYTES_PER_PARAM * kv_params + kv_acts,
+        BYTES_PER_PARAM * mlp_params + mlp_acts,
+        BYTES_PER_PARAM * vocab_params + vocab_acts,
+    )
+
+
+def _units(dims: ModelDims) -> tuple[int, int, int]:
+    return dims.num_kv_heads, dims.intermediate_size // dims.mlp_block, dims.vocab_size // dims.vocab_block
+
+
+def _to_split(dims: ModelDims, g: list[int], m: list[int], v: list[int]) -> ShardSplit:
+    """Blocks to sizes; a tail that is not a whole block goes to the device with the most blocks."""
+    mlp = [b * dims.mlp_block for b in m]
+    vocab = [b * dims.vocab_block for b in v]
+    mlp[max(range(len(m)), key=lambda i: (m[i], -i))] += dims.intermediate_size - sum(mlp)
+    vocab[max(range(len(v)), key=lambda i: (v[i], -i))] += dims.vocab_size - sum(vocab)
+    return ShardSplit(kv_groups=list(g), mlp_columns=mlp, vocab_rows=vocab).check(dims)
+
+
+# -- the solver ----------------------------------------------------------------------
+
+
+def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int]):
+    """The same problem for a fixed participant set, with each device's memory limit, by HiGHS.
+
+    Only needed when the water-filled split does not fit; returns (step, C, g, m, v) or None.
+    """
+    k, layers = len(members), dims.num_layers
+    G, MB, VB = _units(dims)
+    costs = [unit_costs(profiles[i]) for i in members]
+    fixed_b, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len)
+    # variables: g[0..k) m[k..2k) v[2k..3k) Ta Tm Tv
+    Ta, Tm, Tv = 3 * k, 3 * k + 1, 3 * k + 2
+    rows, lo, hi = [], [], []
+
+    def add(coeffs: dict[int, float], lower: float, upper: float):
+        row = np.zeros(3 * k + 3)
+        for idx, c in coeffs.items():
+            row[idx] += c
+        rows.append(row)
+        lo.append(lower)
+        hi.append(upper)
+
+    add({i: 1 for i in range(k)}, G, G)
+    add({k + i: 1 for i in range(k)}, MB, MB)
+    add({2 * k + i: 1 for i in range(k)}, VB, VB)
+    for i, (fixed, per_g, per_m, step_fixed, per_v) in enumerate(costs):
+        add({Ta: 1, i: -per_g}, fixed / 2, np.inf)
+        add({Tm: 1, k + i: -per_m}, fixed / 2, np.inf)
+        add({Tv: 1, 2 * k + i: -per_v}, step_fixed, np.inf)
+        add({i: kv_b, k + i: mlp_b, 2 * k + i: vocab_b}, -np.inf, profiles[members[i]].memory_bytes - fixed_b)
+    objective = np.zeros(3 * k + 3)
+    objective[[Ta, Tm, Tv]] = [layers, layers, 1]
+    integrality = np.r_[np.ones(3 * k), np.zeros(3)]
+    res = milp(objective, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(3 * k + 3), np.r_[[G] * k + [MB] * k + [VB] * k, [np.inf] * 3]))
+    if res.x is None:
+        return None
+    x = np.round(res.x[: 3 * k]).astype(int).tolist()
+    coll = max(collective_seconds(profiles[i], dims) for i in members) if k > 1 else 0.0
+    return res.fun + coll, coll, x[:k], x[k : 2 * k], x[2 * k :]
+
+
+def water_fill(floors: list[float], per_unit: list[float], units: int) -> tuple[float, list[int]]:
+    """Exact integer min-max: give `units` one at a time to the device that would finish first.
+
+    Device i takes floors[i] + per_unit[i] * u_i; the greedy minimises the largest of these
+    (each unit goes where it raises the maximum least, so no exchange can improve it).
+    """
+    heap = [(floors[i] + per_unit[i], i) for i in range(len(floors))]
+    heapq.heapify(heap)
+    take = [0] * len(floors)
+    for _ in range(units):
+        _, i = heapq.heappop(heap)
+        take[i] += 1
+        heapq.heappush(heap, (floors[i] + per_unit[i] * (take[i] + 1), i))
+    return max(floors[i] + per_unit[i] * take[i] for i in range(len(floors))), take
+
+
+def _solve_members(profiles, dims, members: list[int]):
+    """The best split among exactly `members` (no memory limits): each segment water-filled."""
+    G, MB, VB = _units(dims)
+    c = [unit_costs(profiles[i]) for i in members]
+    ta, g = water_fill([x[0] / 2 for x in c], [x[1] for x in c], G)
+    tm, m = water_fill([x[0] / 2 for x in c], [x[2] for x in c], MB)
+    tv, v = water_fill([x[3] for x in c], [x[4] for x in c], VB)
+    coll = max(collective_seconds(profiles[i], dims) for i in members) if len(members) > 1 else 0.0
+    return dims.num_layers * (ta + tm) + tv + coll, coll, g, m, v
+
+
+def _closed_sets(profiles, dims) -> list[list[int]]:
+    """Candidate participant sets. Adding a device never slows a segment's water level, only
+    its floors (fixed seconds) and the collectives can rise, so some optimal set contains
+    every device whose floors and collective cost are no larger than the set's maxima:
+    enumerate those closures (duplicates removed; few when costs grow with slowness)."""
+    keys = [(unit_costs(p)[0], unit_costs(p)[3], collective_seconds(p, dims)) for p in profiles]
+    found = {}
+    for a, b, c in itertools.product(*(sorted({k[d] for k in keys}) for d in range(3))):
+        members = tuple(i for i, k in enumerate(keys) if k[0] <= a and k[1] <= b and k[2] <= c)
+        if members:
+            found[members] = None
+    for i in range(len(profiles)):  # alone: no collectives at all
+        found[(i,)] = None
+    return [list(m) for m in found]
+
+
+def _fits(profiles, dims, micro_batch, seq_len, members, g, m, v) -> bool:
+    fixed, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len)
+    return all(fixed + g[k] * kv_b + m[k] * mlp_b + v[k] * vocab_b <= profiles[i].memory_bytes
+               for k, i in enumerate(members))
+
+
+def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: int, seq_len: int) -> Plan:
+    """The exact min-step plan over all devices (some may be left out, with a reason).
+
+    Each candidate participant set is solved exactly by water-filling each segment; when
+    that split does not fit some device's memory, the set is solved by HiGHS with the
+    memory constraints instead.
+    """
+    if not profiles:
+        raise XronosError("no device profiles to plan with")
+    n = len(profiles)
+    best = None
+    for members in _closed_sets(profiles, dims):
+        step, coll, g, m, v = _solve_members(profiles, dims, members)
+        if not _fits(profiles, dims, micro_batch, seq_len, members, g, m, v):
+            solved = _solve_with_memory(profiles, dims, micro_batch, seq_len, members)
+            if solved is None:
+                continue  # these devices cannot hold the model together
+            step, coll, g, m, v = solved
+        if best is None or step < best[0] - 1e-12:
+            best = (step, coll, members, g, m, v)
+    if best is None:
+        raise XronosError("no device, nor any group of devices, has the memory for this model at these shapes")
+    step, coll, members, g, m, v = best
+    full = lambda part: [part[members.index(i)] if i in members else 0 for i in range(n)]  # noqa: E731
+    y = [1 if i in members else 0 for i in range(n)]
+    return _explain(profiles, dims, micro_batch, seq_len, full(g), full(m), full(v), y, coll)
+
+
+def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:
+    members = [i for i in range(len(profiles)) if y[i]]
+    split = _to_split(dims, [g[i] for i in members], [m[i] for i in members], [v[i] for i in members])
+    fixed_bytes, kv_bytes, mlp_bytes, vocab_bytes = unit_bytes(dims, micro_batch, seq_len)
+    devices, shares = [], []
+    for i, p in enumerate(profiles):
+        if i not in members:
+            if fixed_bytes + min(kv_bytes, mlp_bytes, vocab_bytes) > p.memory_bytes:
+                reason = f"too little memory: {p.memory_bytes / 2**20:.0f} MiB free, a share needs more"
+            else:
+                reason = "too slow: its share would save less than it adds to every collective"
+            devices.append(DeviceCost(device=p.device, rank=None, kv_groups=0, mlp_columns=0, vocab_rows=0,
+                                      compute_seconds=0.0, memory_bytes=0, reason=reason))
+            continue
+        rank = members.index(i)
+        kv, mlp, vocab = split.kv_groups[rank], split.mlp_columns[rank], split.vocab_rows[rank]
+        shares.append((kv, mlp, vocab))
+        memory = fixed_bytes + kv * kv_bytes + mlp / dims.mlp_block * mlp_bytes + vocab / dims.vocab_block * vocab_bytes
+        devices.append(DeviceCost(device=p.device, rank=rank, kv_groups=kv, mlp_columns=mlp, vocab_rows=vocab,
+                                  compute_seconds=device_compute(p, dims, kv, mlp, vocab), memory_bytes=int(memory)))
+    step = step_seconds([profiles[i] for i in members], dims, shares)
+    coll = coll if len(members) > 1 else 0.0
+    return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step)

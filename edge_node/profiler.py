@@ -1,0 +1,187 @@
+"""On-device profiling: how long this device takes per unit of a shard, at the job's shapes.
+
+The device times the components of one layer built from the job's own
+config (same hidden size, head size, activation, attention kernel) at a
+realistic shard size: attention over some KV groups, MLP over some column
+blocks, the norms, and the vocabulary-parallel LM head with its loss. Each
+timing is forward + backward + AdamW update, divided by its units. It also times
+its own share of an all-reduce (loopback socket transfer of the payload plus
+the reduction), because on a CPU device the collectives run on the same cores
+and at the same speed as the compute. About a second or two on a full core;
+cached per model shape, batch shape and device.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from transformers.masking_utils import create_causal_mask
+
+from edge_node.model_io import ATTN_IMPLEMENTATION
+from edge_node.tp.cross_entropy import causal_lm_loss
+from xronos.profiles import DeviceProfile, ProfileShape
+from xronos.splits import ModelDims
+
+def _variant(config, dims: ModelDims, layers: int, groups: int, mlp: int, vocab: int):
+    c = copy.deepcopy(config)
+    c.num_hidden_layers = layers
+    c.num_key_value_heads, c.num_attention_heads, c.head_dim = groups, groups * dims.heads_per_group, dims.head_dim
+    c.intermediate_size, c.vocab_size = mlp, vocab
+    c.pad_token_id = c.bos_token_id = c.eos_token_id = None
+    if hasattr(c, "layer_types"):
+        c.layer_types = c.layer_types[:layers] if c.layer_types else None
+    return AutoModelForCausalLM.from_config(c, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).train()
+
+
+MIN_TIMED_SECONDS = 0.15
+"""Each timing runs at least this long: under a CPU quota (10 ms periods) a short run can
+fall entirely inside one period's allowance and look full-speed; a mean over many
+periods measures the device's real speed."""
+
+
+def _mean_seconds(run, min_reps: int = 2) -> float:
+    """Mean wall time of `run()` after one warm-up, over at least MIN_TIMED_SECONDS."""
+    run()
+    reps, start = 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - start < MIN_TIMED_SECONDS:
+        run()
+        reps += 1
+    return (time.perf_counter() - start) / reps
+
+
+def _time_component(forward, params: list[torch.Tensor]) -> float:
+    """Mean seconds of forward + backward + AdamW update of one component, in isolation."""
+    opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+
+    def step():
+        forward().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _mean_seconds(step)
+
+
+def _allreduce_seconds(nbytes: int) -> float:
+    """This device's share of an all-reduce of `nbytes`: send + receive ~2x the payload, and add it."""
+    a, b = socket.socketpair()
+    payload = bytes(2 * nbytes)
+    buf = bytearray(2 * nbytes)
+    x, y = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+
+    def exchange():
+        sender = threading.Thread(target=a.sendall, args=(payload,))
+        sender.start()
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            got += b.recv_into(view[got:])
+        x.add_(y)
+        sender.join()
+
+    try:
+        return _mean_seconds(exchange)
+    finally:
+        a.close()
+        b.close()
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable, or this cgroup's memory limit when that is smaller."""
+    avail = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    limit_file = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+    if limit_file.is_file():
+        limit = int(limit_file.read_text())
+        usage = int(Path("/sys/fs/cgroup/memory/memory.usage_in_bytes").read_text())
+        avail = min(avail, max(limit - usage, 0)) if limit < 1 << 60 else avail
+    return avail
+
+
+def _cache_path(shape: ProfileShape, device: str, speed_hint: float | None) -> Path:
+    root = Path(os.environ.get("XRONOS_PROFILE_CACHE", Path.home() / ".cache" / "xronos" / "profiles"))
+    key = json.dumps([shape.model_dump(), device, speed_hint, torch.__version__], sort_keys=True)
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def profile_device(
+    config,
+    micro_batch: int,
+    seq_len: int,
+    threads: int,
+    device: str,
+    speed_hint: float | None = None,
+    memory_bytes: int | None = None,
+    address: str | None = None,
+    use_cache: bool = True,
+) -> DeviceProfile:
+    """Measure this device at the job's shapes (or reuse a cached profile of the same shapes)."""
+    dims = ModelDims.from_config(config)
+    shape = ProfileShape(
+        hidden_size=dims.hidden_size, head_dim=dims.head_dim, heads_per_group=dims.heads_per_group,
+        micro_batch=micro_batch, seq_len=seq_len, mlp_block=dims.mlp_block, vocab_block=dims.vocab_block,
+        threads=threads,
+    )
+    memory = memory_bytes or available_memory_bytes()
+    cache = _cache_path(shape, device, speed_hint)
+    if use_cache and cache.is_file():
+        cached = DeviceProfile.model_validate_json(cache.read_text())
+        return cached.model_copy(update={"memory_bytes": memory, "address": address})
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    # Each component is timed on its own at a realistic share (half the KV groups, a quarter
+    # of the MLP columns and of the vocabulary), not as differences of whole-model timings:
+    # differences of noisy totals under a CPU quota are mostly noise.
+    groups = max(1, dims.num_kv_heads // 2)
+    mlp_blocks = max(1, dims.intermediate_size // dims.mlp_block // 4)
+    vocab_blocks = max(1, dims.vocab_size // dims.vocab_block // 4)
+    model = _variant(config, dims, 1, groups, mlp_blocks * dims.mlp_block, 8)
+    layer = model.model.layers[0]
+    h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
+    position_ids = torch.arange(seq_len).unsqueeze(0)
+    mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
+                              position_ids=position_ids)
+    rope = model.model.rotary_emb(h, position_ids=position_ids)
+    attention = _time_component(
+        lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
+        list(layer.self_attn.parameters()),
+    )
+    mlp = _time_component(lambda: layer.mlp(h), list(layer.mlp.parameters()))
+    norms = _time_component(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h,
+                            [layer.input_layernorm.weight, layer.post_attention_layernorm.weight])
+    head = torch.nn.Parameter(torch.randn(vocab_blocks * dims.vocab_block, dims.hidden_size) * 0.02)
+    ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
+    vocab = _time_component(lambda: causal_lm_loss(torch.nn.functional.linear(h, head), ids, 0), [head])
+
+    per_group, per_mlp, per_vocab = attention / groups, mlp / mlp_blocks, vocab / vocab_blocks
+    layer_fixed, step_fixed = norms, norms / 2  # the final norm; the embedding lookup is cheap
+
+    payload = micro_batch * seq_len * dims.hidden_size * 4
+    small, large = _allreduce_seconds(payload // 16), _allreduce_seconds(payload)
+    per_mib = max(0.0, (large - small) / ((payload - payload // 16) / 2**20))
+    latency = max(0.0, small - per_mib * payload / 16 / 2**20)
+
+    profile = DeviceProfile(
+        device=device, speed_hint=speed_hint, shape=shape,
+        kv_group_seconds=per_group, mlp_block_seconds=per_mlp, vocab_block_seconds=per_vocab,
+        layer_fixed_seconds=layer_fixed, step_fixed_seconds=step_fixed,
+        allreduce_latency_seconds=latency, allreduce_seconds_per_mib=per_mib,
+        memory_bytes=memory, address=address, profile_seconds=time.perf_counter() - started,
+    )
+    if use_cache:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(profile.model_dump_json())
+        os.replace(tmp, cache)
+    return profile

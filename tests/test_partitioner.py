@@ -1,0 +1,113 @@
+"""The exact partitioner: optimal against brute force, leaves out devices that do not pay."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from controller.partitioner import plan_partition, step_seconds, unit_bytes
+from xronos.cli import main
+from xronos.profiles import DeviceProfile, ProfileShape
+from xronos.splits import ModelDims
+
+# 2 KV groups, 16 MLP blocks of 1 column, 16 vocabulary blocks of 1 row.
+DIMS = ModelDims(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                 intermediate_size=16, vocab_size=16, tie_word_embeddings=False)
+SHAPE = ProfileShape(hidden_size=16, head_dim=4, heads_per_group=2, micro_batch=2, seq_len=8,
+                     mlp_block=1, vocab_block=1, threads=1)
+
+
+def profile(i, rng, slow=1.0, memory=1 << 40):
+    return DeviceProfile(
+        device=f"d{i}", shape=SHAPE,
+        kv_group_seconds=rng.uniform(0.5, 2) * slow, mlp_block_seconds=rng.uniform(0.05, 0.2) * slow,
+        vocab_block_seconds=rng.uniform(0.05, 0.2) * slow, layer_fixed_seconds=rng.uniform(0, 0.2) * slow,
+        step_fixed_seconds=rng.uniform(0, 0.2) * slow, allreduce_latency_seconds=rng.uniform(0, 0.02) * slow,
+        allreduce_seconds_per_mib=rng.uniform(0, 5) * slow, memory_bytes=memory,
+    )
+
+
+def compositions(total, parts):
+    for cuts in itertools.combinations_with_replacement(range(total + 1), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [bounds[i + 1] - bounds[i] for i in range(parts)]
+
+
+def brute_force(profiles):
+    """The best step time over every participating subset and every integer split (memory respected)."""
+    best = float("inf")
+    mem = unit_bytes(DIMS, SHAPE.micro_batch, SHAPE.seq_len)
+    for size in range(1, len(profiles) + 1):
+        for members in itertools.combinations(profiles, size):
+            for g in compositions(2, size):
+                for m in compositions(16, size):
+                    for v in compositions(16, size):
+                        if any(mem[0] + g[i] * mem[1] + m[i] * mem[2] + v[i] * mem[3] > p.memory_bytes
+                               for i, p in enumerate(members)):
+                            continue
+                        best = min(best, step_seconds(list(members), DIMS, list(zip(g, m, v))))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    n = 2 if seed % 2 else 3
+    profiles = [profile(i, rng, slow=rng.choice([1, 1, 4, 20])) for i in range(n)]
+    if seed == 4:  # one device can hold almost nothing
+        profiles[0] = profiles[0].model_copy(update={"memory_bytes": int(unit_bytes(DIMS, 2, 8)[0] + 3e3)})
+    optimum = brute_force(profiles)
+    plan = plan_partition(profiles, DIMS, 2, 8)
+    assert plan.predicted_step_seconds == pytest.approx(optimum, rel=1e-9)
+    assert sum(plan.split.kv_groups) == 2 and sum(plan.split.mlp_columns) == 16
+
+
+def test_a_device_that_costs_more_than_it_brings_is_left_out():
+    rng = random.Random(0)
+    fast = profile(0, rng)
+    crawler = profile(1, rng, slow=1000)
+    plan = plan_partition([fast, crawler], DIMS, 2, 8)
+    assert [d.rank for d in plan.devices] == [0, None]
+    assert plan.devices[1].reason.startswith("too slow")
+    poor = profile(1, rng).model_copy(update={"memory_bytes": 10})
+    plan = plan_partition([fast, poor], DIMS, 2, 8)
+    assert plan.devices[1].rank is None and plan.devices[1].reason.startswith("too little memory")
+
+
+def test_tens_of_devices_plan_quickly():
+    import time
+
+    rng = random.Random(1)
+    big = ModelDims(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)
+    shape = SHAPE.model_copy(update={"hidden_size": 576, "head_dim": 64, "heads_per_group": 3, "mlp_block": 64, "vocab_block": 256})
+    profiles = [profile(i, rng, slow=rng.uniform(1, 4)).model_copy(update={"shape": shape}) for i in range(24)]
+    start = time.perf_counter()
+    plan = plan_partition(profiles, big, 2, 8)
+    elapsed = time.perf_counter() - start
+    assert plan.split.world_size >= 1
+    print(f"24 devices planned in {elapsed:.2f} s")  # a number for the notes, not an assertion
+
+
+def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
+    rng = random.Random(2)
+    from edge_node.model_io import load_config
+
+    dims = ModelDims.from_config(load_config(model_dir("mha_untied")))
+    shape = SHAPE.model_copy(update={"hidden_size": dims.hidden_size, "head_dim": dims.head_dim,
+                                     "heads_per_group": dims.heads_per_group, "mlp_block": dims.mlp_block,
+                                     "vocab_block": dims.vocab_block})
+    profiles = [profile(i, rng, slow=s).model_copy(update={"shape": shape}) for i, s in enumerate([1, 2, 4])]
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps([p.model_dump() for p in profiles]))
+    assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied")), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert sum(plan["split"]["kv_groups"]) == dims.num_kv_heads
+    assert len(plan["devices"]) == 3 and plan["predicted_step_seconds"] > 0
+    assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 0
+    assert "predicted step" in capsys.readouterr().out
+    path.write_text("[{\"device\": 1}]")
+    assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 2

@@ -1,0 +1,49 @@
+"""The profiler's predictions hold under real CPU quotas, and profiles are cached per shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_node.cpu_quota import cgroup_quota_available
+from edge_node.launcher import run_local
+from edge_node.model_io import load_config
+from edge_node.profiler import profile_device
+from edge_node.toy_model import make_data, make_model
+from xronos.job import JobOptions
+
+
+@pytest.fixture(scope="module")
+def mid_model(tmp_path_factory):
+    """Big enough that compute, not Python overhead, dominates a step."""
+    root = tmp_path_factory.mktemp("mid")
+    model = make_model(root / "model", hidden=256, layers=2, heads=8, kv_heads=4, intermediate=1024, vocab=8192)
+    data = make_data(root / "rows.jsonl", rows=32, seq_len=64, vocab=8192)
+    return model, data
+
+
+@pytest.mark.skipif(not cgroup_quota_available(), reason="needs a writable cgroup v1 cpu controller (root)")
+@pytest.mark.parametrize("speed", [0.6, 0.3])
+def test_predicted_device_step_within_20_percent_under_its_quota(speed, mid_model, tmp_path, monkeypatch):
+    """A device profiled under its CPU quota predicts its own step time (training alone, so
+    nothing but its quota sets its pace) to within 20%."""
+    monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
+    model, data = mid_model
+    job = JobOptions(model=str(model), data=str(data), output=str(tmp_path / "out"), mode="xronos",
+                     steps=5, batch_size=4, seq_len=64, lr=1e-4)
+    report = run_local(job, 1, speeds=[speed], show_progress=False)
+    assert report.predicted_step_seconds is not None
+    ratio = report.predicted_step_seconds / report.mean_step_seconds
+    print(f"speed {speed}: predicted {report.predicted_step_seconds:.3f} s, measured {report.mean_step_seconds:.3f} s")
+    assert 0.8 <= ratio <= 1.2
+
+
+def test_profiles_are_cached_per_shape(mid_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
+    config = load_config(mid_model[0])
+    first = profile_device(config, 2, 32, 1, device="d0")
+    assert first.kv_group_seconds > 0 and first.mlp_block_seconds > 0 and first.vocab_block_seconds > 0
+    again = profile_device(config, 2, 32, 1, device="d0")
+    assert again.model_dump(exclude={"memory_bytes"}) == first.model_dump(exclude={"memory_bytes"})  # read back
+    other = profile_device(config, 2, 16, 1, device="d0")  # another batch shape: measured anew
+    assert other.shape.seq_len == 16 and other.profile_seconds > 0
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2

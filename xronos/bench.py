@@ -1,0 +1,112 @@
+"""`xronos bench`: the modes side by side on one emulated cluster, one command.
+
+Every mode trains the same model on the same data with the same optimizer
+and the same emulated devices; the table compares step time (and its ratio
+to even TP and to the compute-only ideal), idle ratio, and held-out
+perplexity before and after. A PNG chart shows step time per mode and where
+each device's time goes (compute, communication, idle).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from edge_node.data import load_rows
+from edge_node.evaluate import perplexity
+from edge_node.launcher import run_local
+from edge_node.model_io import load_config
+from xronos.job import JobOptions
+from xronos.report import RunReport, describe_layout
+from xronos.splits import ModelDims
+
+
+class BenchResult(BaseModel):
+    speeds: list[float]
+    perplexity_before: float | None
+    perplexity_after: dict[str, float]
+    reports: dict[str, RunReport]
+
+
+def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data: str | None, eval_rows: int,
+              show_progress: bool = True) -> BenchResult:
+    eval_set = None
+    if eval_data:
+        dims = ModelDims.from_config(load_config(base.model))
+        eval_set = load_rows(eval_data, base.seq_len, base.model, dims.vocab_size)[:eval_rows]
+    before = perplexity(base.model, eval_set) if eval_set is not None else None
+    reports, after = {}, {}
+    for mode in modes:
+        out = Path(base.output) / mode
+        job = base.model_copy(update={"mode": mode, "output": str(out)})
+        nodes, node_speeds = (1, [1.0]) if mode == "single" else (len(speeds), speeds)
+        print(f"bench: {mode} on {nodes} device(s) at speeds {node_speeds}", flush=True)
+        reports[mode] = run_local(job, nodes, node_speeds, show_progress=show_progress)
+        if eval_set is not None:
+            after[mode] = perplexity(out, eval_set)
+    return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports)
+
+
+def print_bench(result: BenchResult) -> None:
+    reports = result.reports
+    single = reports.get("single")
+    ideal = single.mean_step_seconds / sum(result.speeds) if single else None
+    tp = reports.get("tp")
+    print(f"\nspeeds {result.speeds} (sum {sum(result.speeds):g})"
+          + (f"; compute-only ideal {ideal:.3f} s/step (single-core step / sum of speeds)" if ideal else ""))
+    ppl0 = f"{result.perplexity_before:.3f}" if result.perplexity_before else "-"
+    print(f"{'mode':<8} {'step s':>7} {'vs tp':>6} {'vs ideal':>8} {'idle':>6} {'ppl before':>10} {'ppl after':>9}  split")
+    for mode, r in reports.items():
+        vs_tp = f"{r.mean_step_seconds / tp.mean_step_seconds:.2f}" if tp else "-"
+        vs_ideal = f"{r.mean_step_seconds / ideal:.2f}" if ideal else "-"
+        ppl = f"{result.perplexity_after[mode]:.3f}" if mode in result.perplexity_after else "-"
+        print(f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>6} {vs_ideal:>8} {r.idle_ratio:>6.1%} {ppl0:>10} {ppl:>9}  {describe_layout(r.split, r.stages)}")
+    print("\nper device, seconds per measured step: compute / comm / idle")
+    for mode, r in reports.items():
+        per = "  ".join(
+            f"[{n.speed:g}] {n.compute_seconds / r.measured_steps:.2f}/{n.comm_seconds / r.measured_steps:.2f}/"
+            f"{n.idle_seconds / r.measured_steps:.2f}" for n in r.nodes
+        )
+        left_out = "".join(f"  [{e.speed:g}] left out: {e.reason}" for e in r.excluded)
+        print(f"{mode:<8} {per}{left_out}")
+
+
+def write_chart(result: BenchResult, path: str) -> None:
+    """Two panels: mean step time per mode; per-device compute/comm/idle seconds per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = result.reports
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]})
+    modes = list(reports)
+    left.bar(modes, [reports[m].mean_step_seconds for m in modes], color="#4c72b0")
+    left.set_ylabel("seconds per step")
+    left.set_title("step time by mode")
+    labels, compute, comm, idle = [], [], [], []
+    for m in modes:
+        r = reports[m]
+        for n in r.nodes:
+            labels.append(f"{m}\n{n.speed:g}")
+            compute.append(n.compute_seconds / r.measured_steps)
+            comm.append(n.comm_seconds / r.measured_steps)
+            idle.append(n.idle_seconds / r.measured_steps)
+    x = range(len(labels))
+    right.bar(x, compute, label="compute", color="#55a868")
+    right.bar(x, comm, bottom=compute, label="communication (incl. waiting)", color="#c44e52")
+    right.plot([], [])
+    right.scatter(x, idle, marker="_", s=300, color="black", label="idle (slowest compute - own)", zorder=3)
+    right.set_xticks(list(x), labels, fontsize=8)
+    right.set_ylabel("seconds per step")
+    right.set_title("where each device's time goes (mode / device speed)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_json(result: BenchResult, path: str) -> None:
+    Path(path).write_text(json.dumps(result.model_dump(), indent=2))
