@@ -78,7 +78,8 @@ def _alive(pid: int) -> bool:
 
 def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_path):
     """SIGKILL rank 1 mid-job: the launcher stops the others and names rank 1 and the signal."""
-    cmd = [sys.executable, "-m", "xronos.cli", *base_args(model_dir("mha_untied"), data_file, tmp_path / "o"), "--nodes", "3"]
+    cmd = [sys.executable, "-m", "xronos.cli", *base_args(model_dir("mha_untied"), data_file, tmp_path / "o"),
+           "--nodes", "3", "--mode", "tp"]
     cmd[cmd.index("--steps") + 1] = "100000"
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 120

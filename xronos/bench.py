@@ -49,6 +49,11 @@ def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data
     return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports)
 
 
+def compute_stall(node, measured_steps: int) -> float:
+    """Compute time lost to sharing the cores with communication: measured over profiled, minus 1."""
+    return node.compute_seconds / measured_steps / node.predicted_compute_seconds - 1
+
+
 def print_bench(result: BenchResult) -> None:
     reports = result.reports
     single = reports.get("single")
@@ -63,11 +68,14 @@ def print_bench(result: BenchResult) -> None:
         vs_ideal = f"{r.mean_step_seconds / ideal:.2f}" if ideal else "-"
         ppl = f"{result.perplexity_after[mode]:.3f}" if mode in result.perplexity_after else "-"
         print(f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>6} {vs_ideal:>8} {r.idle_ratio:>6.1%} {ppl0:>10} {ppl:>9}  {describe_layout(r.split, r.stages)}")
-    print("\nper device, seconds per measured step: compute / comm / idle")
+    print("\nper device [speed], seconds per measured step: compute / comm / idle"
+          " (profiled modes: + compute stall = measured / profiled compute - 1)")
     for mode, r in reports.items():
         per = "  ".join(
             f"[{n.speed:g}] {n.compute_seconds / r.measured_steps:.2f}/{n.comm_seconds / r.measured_steps:.2f}/"
-            f"{n.idle_seconds / r.measured_steps:.2f}" for n in r.nodes
+            f"{n.idle_seconds / r.measured_steps:.2f}"
+            + (f" stall {compute_stall(n, r.measured_steps):+.0%}" if n.predicted_compute_seconds else "")
+            for n in r.nodes
         )
         left_out = "".join(f"  [{e.speed:g}] left out: {e.reason}" for e in r.excluded)
         print(f"{mode:<8} {per}{left_out}")
