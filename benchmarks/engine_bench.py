@@ -1,4 +1,4 @@
-"""Benchmark: single vs even TP vs speed-proportional TP on emulated heterogeneous devices.
+"""Benchmark: single vs even TP vs Xronos (profiled, planned) on emulated heterogeneous devices.
 
 Prints, for one model of ~56M parameters (SmolLM2's layer shapes, 8 layers),
 the mean step time of each mode, its ratio to even TP and to the compute-only

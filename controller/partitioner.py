@@ -64,10 +64,6 @@ class Plan(BaseModel):
     collective_seconds: float
     predicted_step_seconds: float
 
-    @property
-    def participants(self) -> list[DeviceCost]:
-        return sorted((d for d in self.devices if d.rank is not None), key=lambda d: d.rank)
-
 
 # -- the pure cost model -----------------------------------------------------------
 
@@ -294,3 +290,39 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:
     step = step_seconds([profiles[i] for i in members], dims, shares)
     coll = coll if len(members) > 1 else 0.0
     return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step)
+
+
+def recalibrate(profile: DeviceProfile, factor: float) -> DeviceProfile:
+    """The profile with its compute seconds scaled by measured / predicted compute.
+
+    A device in a real job can run faster or slower than its micro-benchmark said
+    (contention, thermal limits; under an emulated CPU quota, a device that waits
+    often in collectives gets its quota back and computes faster). Its collective
+    cost is left as measured.
+    """
+    scaled = {k: getattr(profile, k) * factor for k in (
+        "kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds", "layer_fixed_seconds", "step_fixed_seconds")}
+    return profile.model_copy(update=scaled)
+
+
+def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[float],
+           micro_batch: int, seq_len: int) -> ShardSplit:
+    """A new split for the same ranks from measured compute seconds per micro-step (rank order).
+
+    The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
+    """
+    factors = []
+    for r, p in enumerate(profiles):
+        predicted = device_compute(p, dims, split.kv_groups[r], split.mlp_columns[r], split.vocab_rows[r])
+        # Half-way (geometric) towards the measurement: a device's pace depends on its share
+        # (under a CPU quota, the less it waits the slower it computes), so a full correction overshoots.
+        factors.append((measured[r] / predicted) ** 0.5 if predicted > 0 and measured[r] > 0 else 1.0)
+    calibrated = [recalibrate(p, f) for p, f in zip(profiles, factors)]
+    members = list(range(len(profiles)))
+    step, coll, g, m, v = _solve_members(calibrated, dims, members)
+    if not _fits(calibrated, dims, micro_batch, seq_len, members, g, m, v):
+        solved = _solve_with_memory(calibrated, dims, micro_batch, seq_len, members)
+        if solved is None:
+            return split
+        _, _, g, m, v = solved
+    return _to_split(dims, g, m, v)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from controller.partitioner import plan_partition
+from controller.partitioner import device_compute, plan_partition, step_seconds
 from controller.pipeline_plan import plan_pipeline
 from controller.planning import split_for_mode
 from edge_node.cpu_quota import make_quota
@@ -209,9 +209,9 @@ def run_local(
                 plan = plan_partition(profiles, dims, job.batch_size // job.grad_accum, job.seq_len)
                 split = plan.split
                 ranks = [d.rank for d in plan.devices]
-                assignment = LocalAssignment(ranks=ranks, split=split)
-                predicted = [plan.devices[d].compute_seconds * job.grad_accum for d in sorted(
-                    (d for d in range(n_workers) if ranks[d] is not None), key=lambda d: ranks[d])]
+                members = sorted((d for d in range(n_workers) if ranks[d] is not None), key=lambda d: ranks[d])
+                assignment = LocalAssignment(ranks=ranks, split=split, profiles=[profiles[d] for d in members])
+                predicted = [plan.devices[d].compute_seconds * job.grad_accum for d in members]
                 reasons = [c.reason for c in plan.devices]
             for worker, rank in zip(workers, ranks):
                 worker.rank = rank
@@ -223,9 +223,15 @@ def run_local(
         results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
         report = build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
                               stages=stages, dims=dims)
-        if profiled:
-            report = report.model_copy(update={"predicted_step_seconds": plan.predicted_step_seconds * job.grad_accum,
-                                               "excluded": excluded})
+        if profiled and job.mode == "xronos":  # predictions for the split the job ended with
+            members = [profiles[d] for d in devices]
+            shares = list(zip(report.split.kv_groups, report.split.mlp_columns, report.split.vocab_rows))
+            predicted_step = step_seconds(members, dims, shares) * job.grad_accum
+            nodes = [n.model_copy(update={"predicted_compute_seconds": device_compute(p, dims, *share) * job.grad_accum})
+                     for n, p, share in zip(report.nodes, members, shares)]
+            report = report.model_copy(update={"predicted_step_seconds": predicted_step, "nodes": nodes, "excluded": excluded})
+        elif profiled:
+            report = report.model_copy(update={"predicted_step_seconds": plan.predicted_step_seconds, "excluded": excluded})
         return report
     finally:
         _stop_all(workers)

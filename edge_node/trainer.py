@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from edge_node.tp.comm import CLOCK
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from xronos.job import JobOptions
+from xronos.profiles import DeviceProfile
 from xronos.report import RankResult
 from xronos.splits import ModelDims, ShardSplit
 
@@ -50,6 +52,7 @@ class WorkerSpec(BaseModel):
     memory_bytes: int | None = None
     profile_file: str | None = None
     plan_file: str | None = None
+    profiles: list[DeviceProfile] | None = Field(None, description="Mode xronos: profiles of all ranks, for re-planning.")
     stages: list[tuple[int, int]] | None = Field(None, description="Pipeline mode: layers [lo, hi) of each rank.")
     micro_batches: int = Field(1, description="Pipeline mode: micro-batches per step.")
     master_addr: str = "127.0.0.1"
@@ -81,10 +84,10 @@ class Trainer:
         config = load_config(source)
         self.dims = ModelDims.from_config(config)
         self.shapes = full_param_shapes(config)
+        self.config = config
         self.model = self.load_model(source, config)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.job.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
-        )
+        self.optimizer = self.make_optimizer()
+        self.measure_from = 0
         self.rows = load_file(spec.rows_file)["input_ids"]
         self.start_step, self.losses = 0, []
         if resume_from is not None:
@@ -150,12 +153,52 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
                 bar.update()
+            if step - self.start_step + 1 == self.job.replan_after + 1 and self.can_replan():
+                self.replan()
             every = self.job.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < self.job.steps:
                 self.save_checkpoint(step + 1)
         if bar is not None:
             bar.close()
         self.save_final()
+
+    # -- re-planning from measured compute ------------------------------------------
+    def can_replan(self) -> bool:
+        return self.job.mode == "xronos" and self.spec.profiles is not None and self.world > 1
+
+    def replan(self) -> None:
+        """Re-size every shard from the compute each rank really measured, then re-shard in place.
+
+        Timed steps so far (all but the warm-up) give each rank's compute per step; rank 0
+        re-plans with profiles scaled to match; a changed split is applied through a
+        checkpoint that every rank re-reads its new slices from.
+        """
+        from controller.partitioner import replan
+
+        timed = range(1, len(self.step_seconds))
+        mine = sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / len(timed) / self.job.grad_accum
+        measured = [torch.zeros(1) for _ in range(self.world)]
+        dist.all_gather(measured, torch.tensor([mine]))
+        box = [None]
+        if self.rank == 0:
+            box[0] = replan(self.spec.profiles, self.dims, self.spec.split, [t.item() for t in measured],
+                            self.job.batch_size // self.job.grad_accum, self.job.seq_len)
+        dist.broadcast_object_list(box, src=0)
+        new_split = box[0]
+        if new_split == self.spec.split:
+            return
+        self.measure_from = len(self.step_seconds) + 1  # the first step after a re-shard warms up again
+        staging = self.output / ".replan"
+        adam_step = float(self.optimizer.state[next(iter(self.model.parameters()))]["step"])
+        self._save(staging, True, {"step": 0, "adam_step": adam_step, "losses": []})
+        dist.barrier()
+        self.spec = self.spec.model_copy(update={"split": new_split})
+        self.model = self.load_model(staging, self.config)
+        self.optimizer = self.make_optimizer()
+        self.restore_optimizer(staging, adam_step)
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
 
     # -- checkpoints --------------------------------------------------------
     def _save(self, final: Path, with_optimizer: bool, state: dict | None) -> None:
@@ -185,16 +228,23 @@ class Trainer:
         if self.rank == 0:
             checkpoint.promote_files(self.output / ".final", self.output)
 
-    def _restore(self, directory: Path) -> None:
-        """Continue from a checkpoint: the model was loaded from it; now AdamW and the step."""
-        state = json.loads((directory / checkpoint.TRAINER_STATE).read_text())
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.job.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    def restore_optimizer(self, directory: Path, adam_step: float) -> None:
+        """AdamW moments for this rank's slices, from a checkpoint's full tensors."""
         readers = {key: SafetensorsReader(directory, stem=key) for key in ("exp_avg", "exp_avg_sq")}
         for name, param in self.model.named_parameters():
             part = self.slice_of(name, self.rank)
             self.optimizer.state[param] = {
-                "step": torch.tensor(state["adam_step"], dtype=torch.float32),
+                "step": torch.tensor(adam_step, dtype=torch.float32),
                 **{key: reader.read(self.checkpoint_key(name), part) for key, reader in readers.items()},
             }
+
+    def _restore(self, directory: Path) -> None:
+        """Continue from a checkpoint: the model was loaded from it; now AdamW and the step."""
+        state = json.loads((directory / checkpoint.TRAINER_STATE).read_text())
+        self.restore_optimizer(directory, state["adam_step"])
         self.start_step, self.losses = state["step"], list(state["losses"])
 
     # -- results ------------------------------------------------------------
@@ -205,6 +255,8 @@ class Trainer:
             step_seconds=self.step_seconds,
             comm_seconds=self.comm_seconds,
             param_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            measure_from=self.measure_from,
+            split=self.spec.split if self.tensor_parallel else None,
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
 

@@ -39,7 +39,8 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
         time.sleep(0.05)
     assignment = LocalAssignment.model_validate_json(plan.read_text())
     rank = assignment.ranks[spec.device]
-    update = {"rank": rank, "split": assignment.split, "stages": assignment.stages, "micro_batches": assignment.micro_batches}
+    update = {"rank": rank, "split": assignment.split, "stages": assignment.stages,
+              "micro_batches": assignment.micro_batches, "profiles": assignment.profiles}
     return None if rank is None else spec.model_copy(update=update)
 
 

@@ -61,6 +61,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--micro-batches", type=int, help="pp mode: micro-batches per step (default: --batch-size)")
+    p.add_argument("--replan-after", type=int, default=2,
+                   help="xronos mode: re-plan once from measured compute after this many timed steps (0: never)")
 
 
 def _job_from_args(args):
@@ -81,6 +83,7 @@ def _job_from_args(args):
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         micro_batches=args.micro_batches,
+        replan_after=args.replan_after,
     )
 
 

@@ -28,6 +28,8 @@ class JobOptions(BaseModel):
     shuffle: bool = True
     checkpoint_every: NonNegativeInt = Field(0, description="Checkpoint every N steps (0: only the final model).")
     resume: bool = Field(False, description="Continue from the newest checkpoint under `output`.")
+    replan_after: NonNegativeInt = Field(
+        2, description="Mode xronos: re-plan once from measured compute after this many timed steps (0: never).")
     micro_batches: PositiveInt | None = Field(None, description="Pipeline mode: micro-batches per step (default: batch_size).")
 
     @model_validator(mode="after")

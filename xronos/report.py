@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from xronos.profiles import DeviceProfile
 from xronos.splits import ModelDims, ShardSplit
 
 
@@ -25,6 +26,10 @@ class RankResult(BaseModel):
     comm_seconds: list[float]
     param_bytes: int
     peak_rss_bytes: int
+    measure_from: int = 0
+    """Index into step_seconds of the first step that counts (after warm-up and any re-plan)."""
+    split: ShardSplit | None = None
+    """The split this rank ended with (a re-plan may change it)."""
 
 
 class LocalAssignment(BaseModel):
@@ -32,6 +37,8 @@ class LocalAssignment(BaseModel):
 
     ranks: list[int | None]
     split: ShardSplit | None = None
+    profiles: list[DeviceProfile] | None = None
+    """Mode xronos: the participants' profiles in rank order, for re-planning."""
     stages: list[tuple[int, int]] | None = None
     micro_batches: int = 1
 
@@ -74,9 +81,10 @@ class RunReport(BaseModel):
     excluded: list[ExcludedDevice] = []
 
 
-def measured_range(n_steps: int) -> range:
-    """Steps that count for timing: all but the first, when there are more."""
-    return range(1 if n_steps > 1 else 0, n_steps)
+def measured_range(n_steps: int, start: int = 0) -> range:
+    """Steps that count for timing: from `start`, and never the very first (warm-up) when there are more."""
+    start = max(start, 1 if n_steps > 1 else 0)
+    return range(min(start, n_steps - 1), n_steps)
 
 
 def describe_layout(split: ShardSplit | None, stages: list[tuple[int, int]] | None) -> str:
@@ -110,13 +118,16 @@ def build_report(
     A pipeline run gives `stages` (and `dims`) instead of a split.
     """
     devices = devices or list(range(len(results)))
+    results = sorted(results, key=lambda r: r.rank)
+    if results[0].split is not None:  # the split the job ended with (a re-plan may have changed it)
+        split = results[0].split
     if split is not None:
         shares = list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows))
     else:
         shares = _pipeline_shares(stages, dims)
     results = sorted(results, key=lambda r: r.rank)
     n = len(results[0].step_seconds)
-    steps = measured_range(n)
+    steps = measured_range(n, results[0].measure_from)
     step_seconds = [max(r.step_seconds[k] for r in results) for k in range(n)]
     compute = [[r.step_seconds[k] - r.comm_seconds[k] for k in range(n)] for r in results]
     slowest = [max(c[k] for c in compute) for k in range(n)]
