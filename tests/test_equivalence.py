@@ -124,3 +124,14 @@ def test_pipeline_baseline_equals_single(name, layers, model_dir, data_file, sin
     assert ours.keys() == theirs.keys()
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-4, msg=key)
+
+
+def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_runs, tmp_path, monkeypatch):
+    """Profile, plan, re-plan after one timed step (re-sharding in place if the split moves): same training."""
+    monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
+    ref, _ = single_runs("gqa_tied")
+    report = run_local(job(model_dir("gqa_tied"), data_file, tmp_path / "out", "xronos", replan_after=1), 3,
+                       speeds=[0.8, 0.5, 0.3], show_progress=False)
+    assert report.predicted_step_seconds is not None and report.split.world_size == 3 - len(report.excluded)
+    for got, want in zip(report.losses, ref.losses):
+        assert _rel(got, want) < 1e-5
