@@ -22,6 +22,9 @@ def print_report(report: RunReport) -> None:
             f"{n.rank:>4} {speed:>5} {n.kv_groups:>3} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
             f"{n.comm_seconds:>7.2f} {n.idle_seconds:>7.2f} {n.idle_ratio:>6.1%} {_mib(n.param_bytes):>10} {_mib(n.peak_rss_bytes):>12}"
         )
+    for e in report.excluded:
+        speed = "-" if e.speed is None else f"{e.speed:g}"
+        print(f"left out: device {e.device} (speed {speed}): {e.reason}")
 
 
 def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
