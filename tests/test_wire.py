@@ -1,0 +1,94 @@
+"""The MQTT wire contract: every message round-trips; nothing malformed gets through."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xronos import wire
+from xronos.job import JobOptions
+from xronos.profiles import DeviceProfile, ProfileShape
+from xronos.splits import ShardSplit
+
+ids = st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True)
+counts = st.lists(st.integers(0, 10_000), min_size=1, max_size=4)
+splits = st.integers(1, 4).flatmap(
+    lambda n: st.builds(ShardSplit, kv_groups=st.lists(st.integers(0, 9), min_size=n, max_size=n),
+                        mlp_columns=st.lists(st.integers(0, 9999), min_size=n, max_size=n),
+                        vocab_rows=st.lists(st.integers(0, 99999), min_size=n, max_size=n)))
+jobs = st.builds(JobOptions, model=st.text(min_size=1, max_size=20), data=st.text(min_size=1, max_size=20),
+                 output=st.text(min_size=1, max_size=20), steps=st.integers(1, 10**6), lr=st.floats(1e-7, 1.0))
+secs = st.floats(0, 10, allow_nan=False)
+shapes = st.builds(ProfileShape, hidden_size=st.integers(1, 8192), head_dim=st.integers(1, 256),
+                   heads_per_group=st.integers(1, 16), micro_batch=st.integers(1, 64), seq_len=st.integers(1, 8192),
+                   mlp_block=st.integers(1, 256), vocab_block=st.integers(1, 1024), threads=st.integers(1, 64))
+profiles = st.builds(DeviceProfile, device=ids, shape=shapes, kv_group_seconds=secs, mlp_block_seconds=secs,
+                     vocab_block_seconds=secs, layer_fixed_seconds=secs, step_fixed_seconds=secs,
+                     allreduce_latency_seconds=secs, allreduce_seconds_per_mib=secs,
+                     memory_bytes=st.integers(1, 2**40))
+
+MESSAGES = {
+    wire.NODE_STATUS: st.builds(wire.NodeStatus, node_id=ids, state=st.sampled_from(["online", "offline"])),
+    wire.HEARTBEAT: st.builds(wire.Heartbeat, node_id=ids, state=st.sampled_from(["idle", "profiling", "training"]),
+                              job_id=st.none() | ids, step=st.none() | st.integers(0, 10**6)),
+    wire.PROFILE: st.builds(wire.ProfileMessage, node_id=ids, profile=profiles),
+    wire.ASSIGNMENT: st.builds(wire.Assignment, job_id=ids, node_id=ids, rank=st.integers(0, 63),
+                               world_size=st.integers(1, 64), master_addr=st.just("10.0.0.1"),
+                               master_port=st.integers(1, 65535), split=splits, job=jobs),
+    wire.JOB_STATUS: st.builds(wire.JobStatus, job_id=ids,
+                               state=st.sampled_from(["planning", "running", "completed", "failed", "stopped"]),
+                               step=st.none() | st.integers(0, 10**6), loss=st.none() | secs),
+    wire.TRAIN: st.builds(wire.TrainCommand, job_id=ids, job=jobs, nodes=st.none() | st.lists(ids, max_size=5)),
+    wire.STOP: st.builds(wire.StopCommand, job_id=ids),
+}
+
+
+def test_every_topic_has_a_message_strategy():
+    assert set(MESSAGES) == set(wire.TOPICS)
+
+
+@pytest.mark.parametrize("topic", wire.TOPICS, ids=lambda t: t.model.__name__)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_messages_round_trip(topic, data):
+    message = data.draw(MESSAGES[topic])
+    assert topic.decode(topic.encode(message)) == message
+
+
+@pytest.mark.parametrize("topic", wire.TOPICS, ids=lambda t: t.model.__name__)
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+def test_garbage_is_a_wire_error_and_nothing_else(topic, payload):
+    try:
+        topic.decode(payload)
+    except wire.WireError:
+        pass
+
+
+@pytest.mark.parametrize("topic", wire.TOPICS, ids=lambda t: t.model.__name__)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_wrong_version_unknown_fields_and_bad_ids_are_refused(topic, data):
+    raw = json.loads(topic.encode(data.draw(MESSAGES[topic])))
+    for broken in ({**raw, "schema_version": 2}, {**raw, "surprise": 1}):
+        with pytest.raises(wire.WireError):
+            topic.decode(json.dumps(broken).encode())
+    id_field = next((k for k in ("node_id", "job_id") if k in raw), None)
+    if id_field:
+        with pytest.raises(wire.WireError):
+            topic.decode(json.dumps({**raw, id_field: "a/b#"}).encode())
+
+
+def test_oversized_payloads_are_dropped_unread():
+    with pytest.raises(wire.WireError, match="exceeds"):
+        wire.HEARTBEAT.decode(b" " * (wire.MAX_PAYLOAD_BYTES + 1))
+
+
+def test_topic_names_follow_the_contract():
+    assert wire.NODE_STATUS.name("gw-1") == "xronos/nodes/gw-1/status"
+    assert wire.ASSIGNMENT.subscription() == "xronos/nodes/+/assignment"
+    assert wire.TRAIN.name() == "xronos/cmd/train"
+    assert (wire.NODE_STATUS.retain, wire.HEARTBEAT.qos, wire.ASSIGNMENT.retain, wire.TRAIN.qos) == (True, 0, True, 1)
