@@ -69,19 +69,18 @@ class TimedStage(PipelineStage):
 
     compute_seconds = 0.0
 
-    def forward_one_chunk(self, *args, **kwargs):
+    def _timed(self, run, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return super().forward_one_chunk(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
             self.compute_seconds += time.perf_counter() - start
 
+    def forward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
     def backward_one_chunk(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.compute_seconds += time.perf_counter() - start
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
 
 
 class PipelineTrainer(Trainer):
