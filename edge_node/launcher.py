@@ -9,114 +9,43 @@ launcher (PR_SET_PDEATHSIG), so no process outlives a run.
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
 from safetensors.torch import save_file
 
-from controller.partitioner import device_compute, plan_partition, step_seconds
-from controller.pipeline_plan import plan_pipeline
+from controller.job_plan import plan_job, with_predictions
 from controller.planning import split_for_mode
 from edge_node.cpu_quota import make_quota
 from edge_node.data import load_rows
 from edge_node.model_io import load_config
 from edge_node.profiler import available_memory_bytes
 from edge_node.trainer import WorkerSpec
+from edge_node.worker_process import WorkerProcess, free_port, stop_all
 from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
-from xronos.report import ExcludedDevice, LocalAssignment, RankResult, RunReport, build_report
+from xronos.report import LocalAssignment, RankResult, RunReport, build_report
 from xronos.splits import ModelDims
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Worker:
-    """A worker process with its stderr teed to a log file (and, for rank 0, the terminal)."""
-
-    def __init__(self, device: int, spec_file: Path, log_file: Path, echo: bool, threads: int):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        self.device = device
-        self.rank: int | None = None  # known once the split is
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_node.worker", str(spec_file)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
-        self.tail: collections.deque[str] = collections.deque(maxlen=20)
-        self._tee = threading.Thread(target=self._copy, args=(log_file, echo), daemon=True)
-        self._tee.start()
-
-    def _copy(self, log_file: Path, echo: bool) -> None:
-        with log_file.open("wb") as log:
-            for line in iter(self.proc.stderr.readline, b""):
-                log.write(line)
-                text = line.decode(errors="replace").rstrip()
-                if text:
-                    self.tail.append(text.split("\r")[-1])
-                if echo:
-                    sys.stderr.buffer.write(line)
-                    sys.stderr.flush()
-
-    def cause(self) -> str:
-        self._tee.join(timeout=2)
-        rc = self.proc.returncode
-        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-        last = next((line for line in reversed(self.tail) if line.strip()), "")
-        who = f"worker for device {self.device}" if self.rank is None else f"worker rank {self.rank}"
-        return f"{who} {how}" + (f": {last.strip()}" if last else "")
-
-
-def _stop_all(workers: list[_Worker]) -> None:
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.terminate()
-    deadline = time.monotonic() + 5
-    for w in workers:
-        try:
-            w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
-
-
-def _watch(workers: list[_Worker], until=None) -> None:
+def _watch(workers: list[WorkerProcess], until=None) -> None:
     """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause."""
     try:
         while True:
             codes = [w.proc.poll() for w in workers]
             failed = next((w for w, rc in zip(workers, codes) if rc not in (None, 0)), None)
             if failed is not None:
-                _stop_all(workers)
+                stop_all(workers)
                 raise XronosError(failed.cause())
             if all(rc == 0 for rc in codes) or (until is not None and until()):
                 return
             time.sleep(0.05)
     except BaseException:
-        _stop_all(workers)
+        stop_all(workers)
         raise
 
 
@@ -185,7 +114,7 @@ def run_local(
             )
             spec_file = run_dir / f"spec-{device}.json"
             spec_file.write_text(spec.model_dump_json())
-            worker = _Worker(device, spec_file, run_dir / f"device-{device}.log", echo=show_progress and device == 0, threads=threads)
+            worker = WorkerProcess(device, spec_file, run_dir / f"device-{device}.log", echo=show_progress and device == 0, threads=threads)
             worker.rank = None if profiled else device
             workers.append(worker)
             if device_speeds[device] is not None:
@@ -193,48 +122,27 @@ def run_local(
                 quotas.append(quota)
                 quota.add(worker.proc.pid)
 
-        devices, predicted, excluded = list(range(n_workers)), None, []
+        devices, predicted, plan = list(range(n_workers)), None, None
         if profiled:
             profile_files = [run_dir / f"profile-{d}.json" for d in range(n_workers)]
             _watch(workers, until=lambda: all(p.is_file() for p in profile_files))
             profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files]
-            if job.mode == "pp":
-                plan = plan_pipeline(profiles, dims, job.batch_size, job.micro_batches or job.batch_size)
-                ranks = [plan.devices.index(d) if d in plan.devices else None for d in range(n_workers)]
-                stages = plan.stages
-                assignment = LocalAssignment(ranks=ranks, stages=stages, micro_batches=plan.micro_batches)
-                predicted = [plan.stage_seconds[r] * plan.micro_batches for r in range(len(stages))]
-                reasons = ["a faster pipeline leaves it out"] * n_workers
-            else:
-                plan = plan_partition(profiles, dims, job.batch_size // job.grad_accum, job.seq_len)
-                split = plan.split
-                ranks = [d.rank for d in plan.devices]
-                members = sorted((d for d in range(n_workers) if ranks[d] is not None), key=lambda d: ranks[d])
-                assignment = LocalAssignment(ranks=ranks, split=split, profiles=[profiles[d] for d in members])
-                predicted = [plan.devices[d].compute_seconds * job.grad_accum for d in members]
-                reasons = [c.reason for c in plan.devices]
-            for worker, rank in zip(workers, ranks):
+            plan = plan_job(job, dims, profiles)
+            split, stages, predicted, devices = plan.split, plan.stages, plan.predicted, plan.members
+            for worker, rank in zip(workers, plan.ranks):
                 worker.rank = rank
+            assignment = LocalAssignment(ranks=plan.ranks, split=split, profiles=plan.profiles, stages=stages,
+                                         micro_batches=plan.micro_batches)
             _write_json(run_dir / "plan.json", assignment)
-            devices = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
-            excluded = [ExcludedDevice(device=d, speed=device_speeds[d], reason=reasons[d])
-                        for d in range(n_workers) if ranks[d] is None]
         _watch(workers)
         results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
         report = build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
                               stages=stages, dims=dims)
-        if profiled and job.mode == "xronos":  # predictions for the split the job ended with
-            members = [profiles[d] for d in devices]
-            shares = list(zip(report.split.kv_groups, report.split.mlp_columns, report.split.vocab_rows))
-            predicted_step = step_seconds(members, dims, shares) * job.grad_accum
-            nodes = [n.model_copy(update={"predicted_compute_seconds": device_compute(p, dims, *share) * job.grad_accum})
-                     for n, p, share in zip(report.nodes, members, shares)]
-            report = report.model_copy(update={"predicted_step_seconds": predicted_step, "nodes": nodes, "excluded": excluded})
-        elif profiled:
-            report = report.model_copy(update={"predicted_step_seconds": plan.predicted_step_seconds, "excluded": excluded})
+        if plan is not None:
+            report = with_predictions(report, job, dims, plan, profiles, device_speeds)
         return report
     finally:
-        _stop_all(workers)
+        stop_all(workers)
         for quota in quotas:
             quota.close()
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -46,6 +46,7 @@ class WorkerSpec(BaseModel):
 
     job: JobOptions
     device: int
+    name: str | None = Field(None, description="The device's name in its profile (default 'device-<device>').")
     rank: int | None = None
     split: ShardSplit | None = None
     speed_hint: float | None = None
@@ -56,11 +57,12 @@ class WorkerSpec(BaseModel):
     stages: list[tuple[int, int]] | None = Field(None, description="Pipeline mode: layers [lo, hi) of each rank.")
     micro_batches: int = Field(1, description="Pipeline mode: micro-batches per step.")
     master_addr: str = "127.0.0.1"
-    master_port: int
+    master_port: int = 0
     rows_file: str
     result_file: str
     threads: int = 1
     show_progress: bool = False
+    progress_file: str | None = Field(None, description="Append one JSON line per step here (read by the node agent).")
 
 
 class Trainer:
@@ -150,6 +152,8 @@ class Trainer:
             self.step_seconds.append(time.perf_counter() - t0)
             self.comm_seconds.append(self.comm_seconds_of_step(self.step_seconds[-1], comm0))
             self.losses.append(loss)
+            if self.spec.progress_file:
+                self._log_progress(step)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
                 bar.update()
@@ -161,6 +165,23 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.save_final()
+
+    def _log_progress(self, step: int) -> None:
+        """One line per step for the node agent: loss, and this rank's compute, comm and idle seconds.
+
+        Idle needs the slowest rank's compute, so the ranks agree on it with one scalar
+        all-reduce, outside the timed step (only when an agent asked for progress).
+        """
+        compute = self.step_seconds[-1] - self.comm_seconds[-1]
+        slowest = torch.tensor([compute])
+        if dist.is_initialized():
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        line = {"step": step + 1, "loss": self.losses[-1], "step_seconds": self.step_seconds[-1],
+                "comm_seconds": self.comm_seconds[-1], "compute_seconds": compute,
+                "idle_seconds": max(0.0, slowest.item() - compute),
+                "tokens": self.job.batch_size * self.job.seq_len}
+        with open(self.spec.progress_file, "a") as out:
+            out.write(json.dumps(line) + "\n")
 
     # -- re-planning from measured compute ------------------------------------------
     def can_replan(self) -> bool:

@@ -29,11 +29,13 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
     job = spec.job
     profile = profile_device(
         load_config(job.model), job.batch_size // job.grad_accum, job.seq_len, spec.threads,
-        device=f"device-{spec.device}", speed_hint=spec.speed_hint, memory_bytes=spec.memory_bytes,
+        device=spec.name or f"device-{spec.device}", speed_hint=spec.speed_hint, memory_bytes=spec.memory_bytes,
     )
     tmp = Path(f"{spec.profile_file}.tmp")
     tmp.write_text(profile.model_dump_json())
     os.replace(tmp, spec.profile_file)
+    if spec.plan_file is None:  # profiling was all that was asked
+        return None
     plan = Path(spec.plan_file)
     while not plan.is_file():
         time.sleep(0.05)
@@ -41,6 +43,8 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
     rank = assignment.ranks[spec.device]
     update = {"rank": rank, "split": assignment.split, "stages": assignment.stages,
               "micro_batches": assignment.micro_batches, "profiles": assignment.profiles}
+    if assignment.master_port is not None:  # the rendezvous is known only once the plan is
+        update |= {"master_addr": assignment.master_addr, "master_port": assignment.master_port}
     return None if rank is None else spec.model_copy(update=update)
 
 

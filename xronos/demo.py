@@ -1,23 +1,63 @@
-"""`xronos demo`: the main job on one machine with nothing but the package installed.
+"""`xronos demo`: the whole system on one machine, with nothing but the package installed.
 
-Makes a small Llama model and a learnable data set, then fine-tunes it on 3
-emulated devices of different speeds twice: with the even tensor-parallel
-split (`tp`) and with the speed-aware split (`xronos`), and prints both side
-by side. (The control-plane issue turns this into the full MQTT flow.)
+It starts what a deployment runs on many machines: the embedded MQTT broker,
+the controller, and three node agents (`xronos node`, one process each) whose
+workers run under CPU quotas of different speeds. It makes a small Llama
+model and a learnable data set, then triggers two training jobs by MQTT
+command exactly as an operator would (`xronos train --wait`): the even
+tensor-parallel split (`tp`) and the speed-aware one (`xronos`), and prints
+both side by side. Every process it started is stopped at the end (and dies
+with it if it is killed).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from edge_node.launcher import run_local
+from controller.service import Controller, ControllerOptions
 from edge_node.toy_model import make_data, make_model
+from edge_node.worker_process import free_port
+from xronos import wire
+from xronos.broker import EmbeddedBroker
+from xronos.errors import XronosError
 from xronos.job import JobOptions
+from xronos.mqtt import BrokerSettings
+from xronos.operator import submit
 from xronos.summary import print_report, print_side_by_side
 
 DEMO_MODEL = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=2048)
 SEQ_LEN, BATCH = 64, 8
+DEMO_USER, DEMO_PASSWORD = "xronos-demo", "demo-only-password"
+
+
+def _start_node(root: Path, node_id: str, speed: float, settings: BrokerSettings) -> subprocess.Popen:
+    from edge_node.worker_process import _die_with_parent
+
+    log = (root / f"{node_id}.log").open("wb")
+    cmd = [sys.executable, "-m", "xronos.cli", "node", "--node-id", node_id, "--speed", str(speed),
+           "--workdir", str(root / "nodes" / node_id), "--broker", settings.broker]
+    env_auth = {"XRONOS_USERNAME": settings.username, "XRONOS_PASSWORD": settings.password.get_secret_value()}
+    import os
+
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_auth},
+                            preexec_fn=_die_with_parent)
+
+
+def _wait_online(controller: Controller, nodes: list[str], procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with controller.lock:
+            if all(controller.registry.alive(n) for n in nodes):
+                return
+        for node_id, proc in zip(nodes, procs):
+            if proc.poll() is not None:
+                raise XronosError(f"node {node_id} exited with code {proc.returncode} (see its log)")
+        time.sleep(0.2)
+    raise XronosError(f"nodes did not come online within {timeout:g} s")
 
 
 def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | None = None) -> int:
@@ -26,19 +66,46 @@ def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | N
     hf_logging.disable_progress_bar()
     speeds = speeds or [1.0, 0.5, 0.25]
     with tempfile.TemporaryDirectory(prefix="xronos-demo-") as tmp:
-        root = Path(workdir or tmp)
+        root = Path(workdir or tmp).resolve()
         root.mkdir(parents=True, exist_ok=True)
         model = make_model(root / "model", **DEMO_MODEL)
         data = make_data(root / "data.jsonl", rows=256, seq_len=SEQ_LEN, vocab=DEMO_MODEL["vocab"])
-        print(f"demo: model {model} ({DEMO_MODEL}), data {data}, {len(speeds)} devices at speeds {speeds}")
-        reports = []
-        for mode in ("tp", "xronos"):
-            job = JobOptions(
-                model=str(model), data=str(data), output=str(root / f"out-{mode}"), mode=mode,
-                steps=steps, batch_size=BATCH, seq_len=SEQ_LEN, lr=1e-3, shuffle=False,
-            )
-            report = run_local(job, len(speeds), speeds)
-            print_report(report)
-            reports.append(report)
-        print_side_by_side(reports)
+        print(f"demo: model {model} ({DEMO_MODEL}), data {data}")
+        port = free_port()
+        broker = EmbeddedBroker("127.0.0.1", port, {DEMO_USER: DEMO_PASSWORD}).start()
+        settings = BrokerSettings(broker=f"mqtt://127.0.0.1:{port}", username=DEMO_USER, password=DEMO_PASSWORD)
+        print(f"demo: embedded broker on 127.0.0.1:{port} (password required), controller, "
+              f"{len(speeds)} nodes at speeds {speeds}; logs in {root}")
+        controller = Controller(ControllerOptions(state_dir=root / "controller"), settings).start()
+        node_ids = [f"node-{i}" for i in range(len(speeds))]
+        procs = [_start_node(root, node_id, speed, settings) for node_id, speed in zip(node_ids, speeds)]
+        try:
+            _wait_online(controller, node_ids, procs, timeout=120)
+            reports = []
+            for mode in ("tp", "xronos"):
+                job = JobOptions(model=str(model), data=str(data), output=str(root / f"out-{mode}"), mode=mode,
+                                 steps=steps, batch_size=BATCH, seq_len=SEQ_LEN, lr=1e-3, shuffle=False)
+                command = wire.TrainCommand(job_id=f"demo-{mode}-{int(time.time())}", job=job, nodes=node_ids)
+                print(f"\ndemo: publishing xronos/cmd/train for job {command.job_id} (mode {mode})", flush=True)
+                status = submit(settings, command, wait=True, timeout=600)
+                if status.state != "completed":
+                    raise XronosError(f"job {command.job_id} {status.state}: {status.reason}")
+                print_report(status.report)
+                reports.append(status.report)
+            print_side_by_side(reports)
+            tp, xr = reports
+            print(f"\nxronos step time is {xr.mean_step_seconds / tp.mean_step_seconds:.2f}x the even split's; "
+                  f"idle {xr.idle_ratio:.1%} vs {tp.idle_ratio:.1%}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            controller.close()
+            broker.stop()
     return 0

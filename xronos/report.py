@@ -41,10 +41,15 @@ class LocalAssignment(BaseModel):
     """Mode xronos: the participants' profiles in rank order, for re-planning."""
     stages: list[tuple[int, int]] | None = None
     micro_batches: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    """The rendezvous, where the workers could not be told it at start (node agents)."""
 
 
 class ExcludedDevice(BaseModel):
     device: int
+    name: str | None = None
+    """The node id, in a job run through the controller."""
     speed: float | None
     reason: str
 
@@ -52,6 +57,8 @@ class ExcludedDevice(BaseModel):
 class NodeReport(BaseModel):
     rank: int
     device: int
+    name: str | None = None
+    """The node id, in a job run through the controller."""
     speed: float | None
     layers: tuple[int, int] | None = None
     kv_groups: int

@@ -15,16 +15,17 @@ def print_report(report: RunReport) -> None:
         f"final loss {report.losses[-1]:.4f}, mean step {report.mean_step_seconds:.3f} s "
         f"over {report.measured_steps} measured steps, idle ratio {report.idle_ratio:.1%}"
     )
-    print(f"{'rank':>4} {'speed':>5} {'kv':>3} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'comm s':>7} {'idle s':>7} {'idle':>6} {'params MiB':>10} {'peak RSS MiB':>12}")
+    named = any(n.name for n in report.nodes)
+    print(f"{'node':<12} " * named + f"{'rank':>4} {'speed':>5} {'kv':>3} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'comm s':>7} {'idle s':>7} {'idle':>6} {'params MiB':>10} {'peak RSS MiB':>12}")
     for n in report.nodes:
         speed = "-" if n.speed is None else f"{n.speed:g}"
         print(
-            f"{n.rank:>4} {speed:>5} {n.kv_groups:>3} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
+            f"{n.name or '-':<12} " * named + f"{n.rank:>4} {speed:>5} {n.kv_groups:>3} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
             f"{n.comm_seconds:>7.2f} {n.idle_seconds:>7.2f} {n.idle_ratio:>6.1%} {_mib(n.param_bytes):>10} {_mib(n.peak_rss_bytes):>12}"
         )
     for e in report.excluded:
         speed = "-" if e.speed is None else f"{e.speed:g}"
-        print(f"left out: device {e.device} (speed {speed}): {e.reason}")
+        print(f"left out: {f'node {e.name}' if e.name else f'device {e.device}'} (speed {speed}): {e.reason}")
 
 
 def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:

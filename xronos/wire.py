@@ -8,21 +8,29 @@ long-running process logs, counts and drops; it never stops the process.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
-from xronos.splits import ShardSplit
+from xronos.report import RankResult, RunReport
+from xronos.splits import ModelDims, ShardSplit
 
 ROOT = "xronos"
 MAX_PAYLOAD_BYTES = 256 * 1024
 """Larger payloads are dropped unread: no message of the contract comes near it."""
 
-Id = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+Id = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+
+
+def valid_id(text: str) -> bool:
+    """Node and job ids are topic levels: no '/', '+', '#' or anything else that would change a topic."""
+    return re.fullmatch(ID_PATTERN, text) is not None
 
 
 class WireError(ValueError):
@@ -48,24 +56,59 @@ class Heartbeat(_Message):
     state: Literal["idle", "profiling", "training"]
     job_id: Id | None = None
     step: int | None = None
+    loss: float | None = None
 
 
 class ProfileMessage(_Message):
+    """A node's measured speed, retained: at the default shape on start, at a job's shapes when asked."""
+
     node_id: Id
     profile: DeviceProfile
+    job_id: Id | None = Field(None, description="The job whose shapes were measured (None: the start-up profile).")
+    dims: ModelDims | None = Field(None, description="The job's model sizes, read by the node from its copy of the model.")
+    rendezvous_port: int | None = Field(None, ge=1, le=65535, description="A free port for the job's rendezvous, if rank 0.")
 
 
 class Assignment(_Message):
-    """A node's part in a job, written by the controller only (retained)."""
+    """A node's part in a job, written by the controller only (retained; cleared when the job ends).
+
+    Phase `profile` asks the node to measure itself at the job's shapes; phase `train`
+    gives its rank (None: the plan leaves it out) and shard, and the rendezvous.
+    """
 
     job_id: Id
     node_id: Id
-    rank: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    master_addr: str
-    master_port: int = Field(ge=1, le=65535)
-    split: ShardSplit
+    phase: Literal["profile", "train"]
     job: JobOptions
+    rank: int | None = Field(None, ge=0)
+    world_size: int | None = Field(None, ge=1)
+    master_addr: str | None = None
+    master_port: int | None = Field(None, ge=1, le=65535)
+    split: ShardSplit | None = None
+    stages: list[tuple[int, int]] | None = None
+    micro_batches: int = Field(1, ge=1)
+    profiles: list[DeviceProfile] | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> "Assignment":
+        if self.phase == "train" and self.rank is not None:
+            if None in (self.world_size, self.master_addr, self.master_port):
+                raise ValueError("a training assignment needs world_size, master_addr and master_port")
+            if self.rank >= self.world_size:
+                raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+            if (self.split is None) == (self.stages is None):
+                raise ValueError("a training assignment needs a split (tensor parallel) or stages (pipeline)")
+        return self
+
+
+class NodeResult(_Message):
+    """What a node measured in a job (or why it failed), retained until its next job."""
+
+    job_id: Id
+    node_id: Id
+    ok: bool
+    result: RankResult | None = None
+    error: str | None = None
 
 
 class TrainCommand(_Message):
@@ -83,9 +126,17 @@ class JobStatus(_Message):
     state: Literal["planning", "running", "completed", "failed", "stopped"]
     step: int | None = None
     loss: float | None = None
+    steps: int | None = None
+    nodes: list[Id] = []
     split: ShardSplit | None = None
+    stages: list[tuple[int, int]] | None = None
     reason: str | None = None
-    report: dict | None = None
+    output: str | None = Field(None, description="Where the model was written: '<node id>:<directory>'.")
+    report: RunReport | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("completed", "failed", "stopped")
 
 
 M = TypeVar("M", bound=_Message)
@@ -109,6 +160,17 @@ class Topic(Generic[M]):
     def encode(self, message: M) -> bytes:
         return message.model_dump_json().encode()
 
+    def ident(self, topic: str) -> str | None:
+        """The node or job id in a concrete topic name of this family (None if it is not one)."""
+        if "{}" not in self.pattern:
+            return "" if topic == self.name() else None
+        head, _, tail = self.pattern.partition("{}")
+        prefix, suffix = f"{ROOT}/{head}", tail
+        if not (topic.startswith(prefix) and topic.endswith(suffix)) or len(topic) <= len(prefix) + len(suffix):
+            return None
+        ident = topic[len(prefix): len(topic) - len(suffix)] if suffix else topic[len(prefix):]
+        return ident if "/" not in ident else None
+
     def decode(self, payload: bytes) -> M:
         if len(payload) > MAX_PAYLOAD_BYTES:
             raise WireError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
@@ -124,8 +186,9 @@ NODE_STATUS = Topic("nodes/{}/status", NodeStatus, qos=1, retain=True)
 HEARTBEAT = Topic("nodes/{}/heartbeat", Heartbeat, qos=0, retain=False)
 PROFILE = Topic("nodes/{}/profile", ProfileMessage, qos=1, retain=True)
 ASSIGNMENT = Topic("nodes/{}/assignment", Assignment, qos=1, retain=True)
+RESULT = Topic("nodes/{}/result", NodeResult, qos=1, retain=True)
 JOB_STATUS = Topic("jobs/{}/status", JobStatus, qos=1, retain=True)
 TRAIN = Topic("cmd/train", TrainCommand, qos=1, retain=False)
 STOP = Topic("cmd/stop", StopCommand, qos=1, retain=False)
 
-TOPICS = (NODE_STATUS, HEARTBEAT, PROFILE, ASSIGNMENT, JOB_STATUS, TRAIN, STOP)
+TOPICS = (NODE_STATUS, HEARTBEAT, PROFILE, ASSIGNMENT, RESULT, JOB_STATUS, TRAIN, STOP)

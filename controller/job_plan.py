@@ -1,0 +1,96 @@
+"""From measured device profiles to a job's layout: who takes part, with which rank and shard.
+
+One pure function for both front ends: the local launcher (`xronos run`) and
+the MQTT controller call `plan_job` with the profiles in device order and hand
+the answer to their workers. `xronos` plans with the exact partitioner, `pp`
+with the exact pipeline planner, `tp` is the even split over every device,
+`single` wants exactly one device.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from controller.partitioner import device_compute, plan_partition, step_seconds
+from controller.pipeline_plan import plan_pipeline
+from controller.planning import even_split, split_for_mode
+from xronos.errors import XronosError
+from xronos.job import JobOptions
+from xronos.profiles import DeviceProfile
+from xronos.report import ExcludedDevice, RunReport
+from xronos.splits import ModelDims, ShardSplit
+
+
+class JobPlan(BaseModel):
+    ranks: list[int | None]
+    """Rank of each device (input order); None = left out."""
+    reasons: list[str | None]
+    """Why a device was left out (None for participants)."""
+    split: ShardSplit | None = None
+    stages: list[tuple[int, int]] | None = None
+    micro_batches: int = 1
+    profiles: list[DeviceProfile] | None = None
+    """Mode xronos: the participants' profiles in rank order, for re-planning during the job."""
+    predicted: list[float] | None = None
+    """Predicted compute seconds per step of each rank."""
+    predicted_step_seconds: float | None = None
+
+    @property
+    def members(self) -> list[int]:
+        """Participating devices, in rank order."""
+        return [d for _, d in sorted((r, d) for d, r in enumerate(self.ranks) if r is not None)]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan:
+    """The layout of `job` over devices with these profiles (all measured at the job's shapes)."""
+    n = len(profiles)
+    micro_batch = job.batch_size // job.grad_accum
+    if job.mode == "pp":
+        plan = plan_pipeline(profiles, dims, job.batch_size, job.micro_batches or job.batch_size)
+        ranks = [plan.devices.index(d) if d in plan.devices else None for d in range(n)]
+        return JobPlan(
+            ranks=ranks, reasons=[None if r is not None else "a faster pipeline leaves it out" for r in ranks],
+            stages=plan.stages, micro_batches=plan.micro_batches,
+            predicted=[s * plan.micro_batches for s in plan.stage_seconds],
+            predicted_step_seconds=plan.predicted_step_seconds,
+        )
+    if job.mode == "xronos":
+        plan = plan_partition(profiles, dims, micro_batch, job.seq_len)
+        ranks = [d.rank for d in plan.devices]
+        members = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
+        return JobPlan(
+            ranks=ranks, reasons=[c.reason for c in plan.devices], split=plan.split,
+            profiles=[profiles[d] for d in members],
+            predicted=[plan.devices[d].compute_seconds * job.grad_accum for d in members],
+            predicted_step_seconds=plan.predicted_step_seconds * job.grad_accum,
+        )
+    if job.mode == "single" and n != 1:
+        raise XronosError(f"mode single trains on one device, not {n}")
+    split = split_for_mode("single", dims, 1, None) if job.mode == "single" else even_split(dims, n)
+    shares = list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows))
+    return JobPlan(
+        ranks=list(range(n)), reasons=[None] * n, split=split,
+        predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, shares)],
+        predicted_step_seconds=step_seconds(profiles, dims, shares) * job.grad_accum,
+    )
+
+
+def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: JobPlan,
+                     profiles: list[DeviceProfile], speeds: list[float | None]) -> RunReport:
+    """Add the plan's predictions (for the split the job ended with) and the left-out devices to a report."""
+    excluded = [ExcludedDevice(device=d, speed=speeds[d], reason=plan.reasons[d] or "left out")
+                for d, r in enumerate(plan.ranks) if r is None]
+    update: dict = {"excluded": excluded, "predicted_step_seconds": plan.predicted_step_seconds}
+    if report.split is not None and job.mode != "pp":
+        members = [profiles[d] for d in plan.members]
+        shares = list(zip(report.split.kv_groups, report.split.mlp_columns, report.split.vocab_rows))
+        update["predicted_step_seconds"] = step_seconds(members, dims, shares) * job.grad_accum
+        update["nodes"] = [
+            n.model_copy(update={"predicted_compute_seconds": device_compute(p, dims, *s) * job.grad_accum})
+            for n, p, s in zip(report.nodes, members, shares)
+        ]
+    return report.model_copy(update=update)

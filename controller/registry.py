@@ -1,0 +1,67 @@
+"""The node registry: what the controller knows of each node, and who is alive.
+
+A node is known from its retained `online` status; it is alive while its
+heartbeats keep coming (a node that vanished without its last will, say on a
+network cut, is declared lost after `timeout` seconds of silence). Pure state
+and arithmetic on a clock passed in, so the rules are testable without a broker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xronos.profiles import DeviceProfile
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    online: bool = False
+    last_seen: float = 0.0
+    """Monotonic time of the last status or heartbeat."""
+    last_heartbeat_ts: float | None = None
+    """The node's own clock in its last heartbeat."""
+    state: str = "idle"
+    job_id: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    profile: DeviceProfile | None = None
+    """The start-up profile (reference shape)."""
+    lost_reason: str | None = None
+
+
+@dataclass
+class Registry:
+    timeout: float
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+
+    def online(self, node_id: str, now: float) -> NodeRecord:
+        node = self.nodes.setdefault(node_id, NodeRecord(node_id))
+        node.online, node.last_seen, node.lost_reason = True, now, None
+        return node
+
+    def offline(self, node_id: str, reason: str) -> NodeRecord | None:
+        node = self.nodes.get(node_id)
+        if node is not None and node.online:
+            node.online, node.lost_reason, node.state, node.job_id = False, reason, "idle", None
+            return node
+        return None
+
+    def alive(self, node_id: str) -> NodeRecord | None:
+        node = self.nodes.get(node_id)
+        return node if node is not None and node.online else None
+
+    def expire(self, now: float) -> list[NodeRecord]:
+        """Nodes whose heartbeats stopped: marked offline and returned."""
+        lost = [n for n in self.nodes.values() if n.online and now - n.last_seen > self.timeout]
+        for node in lost:
+            self.offline(node.node_id, f"no heartbeat for {self.timeout:g} s")
+        return lost
+
+    def available(self, busy: set[str]) -> list[str]:
+        """Online nodes in none of this controller's jobs (a start-up profile in progress gives way to a job)."""
+        return sorted(n.node_id for n in self.nodes.values() if n.online and n.node_id not in busy)
+
+    @property
+    def online_count(self) -> int:
+        return sum(n.online for n in self.nodes.values())

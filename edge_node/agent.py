@@ -1,0 +1,311 @@
+"""`xronos node`: the device agent.
+
+The agent itself stays light (no torch): it speaks MQTT, heartbeats, serves
+metrics, and runs all heavy work in one worker process under the device's CPU
+quota (`edge_node.worker`, as `xronos run` does). Lifecycle of a job here:
+
+1. assignment phase `profile`: read the job's model config and data, start a
+   worker that profiles this device at the job's shapes, publish the profile
+   (retained) with a free rendezvous port, in case this node becomes rank 0;
+2. assignment phase `train`: tell the waiting worker its rank, shard and
+   rendezvous (or that it sits out); it joins the job's torch.distributed
+   group and trains; every step it writes a progress line, which becomes a
+   heartbeat and metrics here;
+3. the worker ends: the node publishes its result (retained) and is idle again.
+   A cleared assignment, or one for another job, stops a running worker.
+
+At start the node also profiles itself at a small reference shape, so the
+registry shows each device's speed before any job. Bad assignments are logged,
+counted and dropped; nothing a message says can stop the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from edge_node.cpu_quota import make_quota
+from edge_node.metrics import NodeMetrics
+from edge_node.worker_process import WorkerProcess, free_port, stop_all
+from xronos import wire
+from xronos.job import JobOptions
+from xronos.mqtt import BrokerSettings, Bus
+from xronos.profiles import DeviceProfile
+from xronos.report import LocalAssignment, RankResult
+
+log = logging.getLogger("xronos.node")
+
+REFERENCE_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+"""The start-up profile's shape: one SmolLM2-135M layer at 1 x 64 tokens (a quick look at the device's speed)."""
+REFERENCE_BATCH, REFERENCE_SEQ = 1, 64
+
+
+class NodeOptions(BaseModel):
+    node_id: wire.Id
+    speed: float | None = Field(None, gt=0, description="Emulated CPU speed (1 = one full core), applied to the worker.")
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    address: str | None = Field(None, description="Address other nodes reach this one at (default: the one facing the broker).")
+    threads: int = Field(1, ge=1)
+    workdir: Path
+    heartbeat_seconds: float = Field(2.0, gt=0)
+    startup_profile: bool = True
+
+
+class _Job:
+    """The job this node is part of: its worker and files."""
+
+    def __init__(self, job_id: str, job: JobOptions, directory: Path):
+        self.id, self.job, self.dir = job_id, job, directory
+        self.worker: WorkerProcess | None = None
+        self.quota = None
+        self.rank: int | None = None
+        self.port: int | None = None
+        self.profiled = False
+        self.progress_read = 0
+        self.step: int | None = None
+        self.loss: float | None = None
+        self.dims = None
+
+    def file(self, name: str) -> Path:
+        return self.dir / name
+
+
+class NodeAgent:
+    def __init__(self, options: NodeOptions, settings: BrokerSettings):
+        self.o = options
+        self.id = options.node_id
+        self.metrics = NodeMetrics(self.id)
+        self.bus = Bus(settings, client_id=f"xronos-node-{self.id}",
+                       will=(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")),
+                       on_connect=self._born, on_invalid=self.metrics.dropped)
+        self.bus.subscribe(wire.ASSIGNMENT, self._assigned, ident=self.id)
+        self.inbox: queue.Queue = queue.Queue()
+        self.state = "idle"
+        self.job: _Job | None = None
+        self.stopping = threading.Event()
+        self.handled: set[tuple[str, str, float]] = set()
+
+    # -- MQTT side (network thread) ---------------------------------------------------
+    def _born(self) -> None:
+        self.bus.publish(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="online"))
+        self._heartbeat()
+
+    def _assigned(self, node_id: str, message: wire.Assignment | None) -> None:
+        self.inbox.put(message)
+
+    def _heartbeat(self) -> None:
+        job = self.job if self.job is not None and self.job.id != "startup" else None
+        self.bus.publish(wire.HEARTBEAT, self.id, wire.Heartbeat(
+            node_id=self.id, state=self.state, job_id=job.id if job else None,
+            step=job.step if job else None, loss=job.loss if job else None))
+
+    # -- main loop -----------------------------------------------------------------
+    def run(self) -> None:
+        self.o.workdir.mkdir(parents=True, exist_ok=True)
+        if self.o.metrics_port is not None:
+            self.metrics.serve(self.o.metrics_port)
+        self.bus.start(wait=None)  # keep trying until the broker is there
+        beat = threading.Thread(target=self._beat, daemon=True)
+        beat.start()
+        try:
+            if self.o.startup_profile:
+                self._start_reference_profile()
+            while not self.stopping.is_set():
+                try:
+                    self._handle(self.inbox.get(timeout=0.2))
+                except queue.Empty:
+                    pass
+                self._poll()
+        finally:
+            self._end_job()
+            self.bus.publish(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")).wait_for_publish(2)
+            self.bus.stop()
+            self.metrics.close()
+
+    def stop(self, *_) -> None:
+        self.stopping.set()
+
+    def _beat(self) -> None:
+        while not self.stopping.wait(self.o.heartbeat_seconds):
+            if self.bus.connected.is_set():
+                self._heartbeat()
+
+    def _address(self) -> str:
+        if self.o.address:
+            return self.o.address
+        sock = self.bus.client.socket()
+        return sock.getsockname()[0] if sock is not None else "127.0.0.1"
+
+    # -- assignments -----------------------------------------------------------------
+    def _handle(self, a: wire.Assignment | None) -> None:
+        if a is None:  # the controller cleared the assignment: the job is over for this node
+            if self.job is not None and self.job.id != "startup":
+                log.info("assignment for %s cleared; stopping its worker", self.job.id)
+                self._end_job()
+            return
+        key = (a.job_id, a.phase, a.ts)
+        if key in self.handled:  # a retained copy delivered again after a reconnect
+            return
+        self.handled.add(key)
+        if self.job is not None and self.job.id != a.job_id:
+            log.info("new job %s replaces %s", a.job_id, self.job.id)
+            self._end_job()
+        if a.phase == "profile":
+            self._profile_for(a)
+        elif self.job is None or not self.job.profiled:
+            self._fail(a.job_id, "a training assignment came before this node was asked to profile for the job")
+        else:
+            self._train(a)
+
+    def _profile_for(self, a: wire.Assignment) -> None:
+        from safetensors.torch import save_file
+
+        from edge_node.data import load_rows
+        from edge_node.model_io import load_config
+        from xronos.errors import XronosError
+        from xronos.splits import ModelDims
+
+        job = _Job(a.job_id, a.job, self.o.workdir / "jobs" / a.job_id)
+        shutil.rmtree(job.dir, ignore_errors=True)
+        job.dir.mkdir(parents=True)
+        self.job, self.state = job, "profiling"
+        try:
+            dims = ModelDims.from_config(load_config(a.job.model))
+            rows = load_rows(a.job.data, a.job.seq_len, a.job.model, dims.vocab_size)
+            save_file({"input_ids": rows}, job.file("rows.safetensors"))
+        except (XronosError, OSError, ValueError) as err:
+            self._fail(a.job_id, str(err))
+            return
+        job.dims = dims
+        job.port = free_port(self._address())
+        self._start_worker(job, a.job, plan=True)
+
+    def _start_reference_profile(self) -> None:
+        from transformers import LlamaConfig
+
+        ref = self.o.workdir / "reference-model"
+        if not (ref / "config.json").is_file():
+            LlamaConfig(**REFERENCE_CONFIG).save_pretrained(ref)
+        job = _Job("startup", JobOptions(model=str(ref), data="-", output=str(self.o.workdir / "unused"),
+                                         batch_size=REFERENCE_BATCH, seq_len=REFERENCE_SEQ), self.o.workdir / "startup")
+        shutil.rmtree(job.dir, ignore_errors=True)
+        job.dir.mkdir(parents=True)
+        self.job, self.state = job, "profiling"
+        self._start_worker(job, job.job, plan=False)
+
+    def _start_worker(self, job: _Job, options: JobOptions, plan: bool) -> None:
+        from edge_node.profiler import available_memory_bytes
+        from edge_node.trainer import WorkerSpec
+
+        spec = WorkerSpec(
+            job=options, device=0, name=self.id, speed_hint=self.o.speed, memory_bytes=available_memory_bytes(),
+            profile_file=str(job.file("profile.json")), plan_file=str(job.file("plan.json")) if plan else None,
+            rows_file=str(job.file("rows.safetensors")), result_file=str(job.file("result.json")),
+            progress_file=str(job.file("progress.jsonl")), threads=self.o.threads,
+        )
+        job.file("spec.json").write_text(spec.model_dump_json())
+        loopback = self._address().startswith("127.")
+        job.worker = WorkerProcess(0, job.file("spec.json"), job.file("worker.log"), echo=False,
+                                   threads=self.o.threads, loopback=loopback)
+        if self.o.speed is not None:
+            job.quota = make_quota(f"xronos-node-{self.id}-{job.id}", self.o.speed)
+            job.quota.add(job.worker.proc.pid)
+
+    def _train(self, a: wire.Assignment) -> None:
+        job = self.job
+        job.rank = a.rank
+        plan = LocalAssignment(ranks=[a.rank], split=a.split, profiles=a.profiles, stages=a.stages,
+                               micro_batches=a.micro_batches, master_addr=a.master_addr, master_port=a.master_port)
+        tmp = job.file("plan.json.tmp")
+        tmp.write_text(plan.model_dump_json())
+        tmp.replace(job.file("plan.json"))
+        if a.rank is None:
+            log.info("job %s leaves this node out", a.job_id)
+            self._end_job()
+            return
+        job.worker.rank = a.rank
+        self.state = "training"
+        self.metrics.training.labels(self.id).set(1)
+        if a.split is not None:
+            self.metrics.shard(a.split.kv_groups[a.rank], a.split.mlp_columns[a.rank])
+        log.info("job %s: rank %d of %d", a.job_id, a.rank, a.world_size)
+        self._heartbeat()
+
+    # -- watching the worker ------------------------------------------------------------
+    def _poll(self) -> None:
+        job = self.job
+        if job is None or job.worker is None:
+            return
+        if not job.profiled and job.file("profile.json").is_file():
+            job.profiled = True
+            profile = DeviceProfile.model_validate_json(job.file("profile.json").read_text())
+            profile = profile.model_copy(update={"address": self._address()})
+            startup = job.id == "startup"
+            self.bus.publish(wire.PROFILE, self.id, wire.ProfileMessage(
+                node_id=self.id, profile=profile, job_id=None if startup else job.id,
+                dims=None if startup else job.dims, rendezvous_port=None if startup else job.port))
+        self._read_progress(job)
+        rc = job.worker.proc.poll()
+        if rc is None:
+            return
+        if job.id == "startup":
+            if rc != 0:
+                log.warning("start-up profile failed: %s", job.worker.cause())
+            self._end_job()
+        elif rc == 0 and job.rank is not None:
+            self._read_progress(job)
+            result = RankResult.model_validate_json(job.file("result.json").read_text())
+            self.bus.publish(wire.RESULT, self.id, wire.NodeResult(job_id=job.id, node_id=self.id, ok=True, result=result))
+            log.info("job %s done", job.id)
+            self._end_job()
+        elif rc != 0:
+            self._fail(job.id, job.worker.cause())
+
+    def _read_progress(self, job: _Job) -> None:
+        path = job.file("progress.jsonl")
+        if not path.is_file():
+            return
+        with path.open() as f:
+            f.seek(job.progress_read)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                job.progress_read += len(line.encode())
+                step = json.loads(line)
+                job.step, job.loss = step["step"], step["loss"]
+                self.metrics.step(step)
+                self._heartbeat()
+
+    def _fail(self, job_id: str, why: str) -> None:
+        log.warning("job %s failed here: %s", job_id, why)
+        self.bus.publish(wire.RESULT, self.id, wire.NodeResult(job_id=job_id, node_id=self.id, ok=False, error=why[:2000]))
+        self._end_job()
+
+    def _end_job(self) -> None:
+        job = self.job
+        if job is not None:
+            if job.worker is not None:
+                stop_all([job.worker])
+            if job.quota is not None:
+                job.quota.close()
+        self.job, self.state = None, "idle"
+        self.metrics.training.labels(self.id).set(0)
+        if self.bus.connected.is_set():
+            self._heartbeat()
+
+
+def run_node(options: NodeOptions, settings: BrokerSettings) -> int:
+    agent = NodeAgent(options, settings)
+    signal.signal(signal.SIGTERM, agent.stop)
+    signal.signal(signal.SIGINT, agent.stop)
+    agent.run()
+    return 0

@@ -1,0 +1,86 @@
+"""A worker process (`python -m edge_node.worker SPEC`) and how to start, watch and stop it.
+
+Shared by the local launcher and the node agent. The worker's stderr is teed
+to a log file (and optionally the terminal), its last lines kept to explain a
+failure. It dies with its parent (PR_SET_PDEATHSIG), so no process outlives
+the one that started it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """A worker process with its stderr teed to a log file (and, for rank 0, the terminal)."""
+
+    def __init__(self, device: int, spec_file: Path, log_file: Path, echo: bool, threads: int, loopback: bool = True):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if loopback:  # gloo would otherwise pick the interface of the host name, which may not reach a peer here
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.device = device
+        self.rank: int | None = None  # known once the split is
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_node.worker", str(spec_file)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._tee = threading.Thread(target=self._copy, args=(log_file, echo), daemon=True)
+        self._tee.start()
+
+    def _copy(self, log_file: Path, echo: bool) -> None:
+        with log_file.open("wb") as log:
+            for line in iter(self.proc.stderr.readline, b""):
+                log.write(line)
+                text = line.decode(errors="replace").rstrip()
+                if text:
+                    self.tail.append(text.split("\r")[-1])
+                if echo:
+                    sys.stderr.buffer.write(line)
+                    sys.stderr.flush()
+
+    def cause(self) -> str:
+        self._tee.join(timeout=2)
+        rc = self.proc.returncode
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        last = next((line for line in reversed(self.tail) if line.strip()), "")
+        who = f"worker for device {self.device}" if self.rank is None else f"worker rank {self.rank}"
+        return f"{who} {how}" + (f": {last.strip()}" if last else "")
+
+
+def stop_all(workers: list[WorkerProcess]) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.terminate()
+    deadline = time.monotonic() + 5
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
