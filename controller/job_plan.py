@@ -34,6 +34,8 @@ class JobPlan(BaseModel):
     predicted: list[float] | None = None
     """Predicted compute seconds per step of each rank."""
     predicted_step_seconds: float | None = None
+    optimal: bool = True
+    """False when the partitioner's time cap cut the search short (memory binding on many devices)."""
 
     @property
     def members(self) -> list[int]:
@@ -66,7 +68,7 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
             ranks=ranks, reasons=[c.reason for c in plan.devices], split=plan.split,
             profiles=[profiles[d] for d in members],
             predicted=[plan.devices[d].compute_seconds * job.grad_accum for d in members],
-            predicted_step_seconds=plan.predicted_step_seconds * job.grad_accum,
+            predicted_step_seconds=plan.predicted_step_seconds * job.grad_accum, optimal=plan.optimal,
         )
     if job.mode == "single" and n != 1:
         raise XronosError(f"mode single trains on one device, not {n}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -63,6 +64,8 @@ class Plan(BaseModel):
     devices: list[DeviceCost]
     collective_seconds: float
     predicted_step_seconds: float
+    optimal: bool = True
+    """False only when memory binds for many devices and the solver's time ran out: the best plan found."""
 
 
 # -- the pure cost model -----------------------------------------------------------
@@ -149,10 +152,17 @@ def _to_split(dims: ModelDims, g: list[int], m: list[int], v: list[int]) -> Shar
 # -- the solver ----------------------------------------------------------------------
 
 
-def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int]):
+MILP_OPTIONS = {"time_limit": 0.5}
+"""HiGHS per participant set; a set that hits the limit keeps its best integer solution."""
+PLAN_BUDGET_SECONDS = 3.0
+"""When memory binds for many devices, stop trying further participant sets after this long."""
+
+
+def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], relax: bool = False):
     """The same problem for a fixed participant set, with each device's memory limit, by HiGHS.
 
     Only needed when the water-filled split does not fit; returns (step, C, g, m, v) or None.
+    With `relax`, the LP relaxation: a lower bound on the step, in milliseconds.
     """
     k, layers = len(members), dims.num_layers
     G, MB, VB = _units(dims)
@@ -177,17 +187,19 @@ def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int])
         add({Ta: 1, i: -per_g}, fixed / 2, np.inf)
         add({Tm: 1, k + i: -per_m}, fixed / 2, np.inf)
         add({Tv: 1, 2 * k + i: -per_v}, step_fixed, np.inf)
-        add({i: kv_b, k + i: mlp_b, 2 * k + i: vocab_b}, -np.inf, profiles[members[i]].memory_bytes - fixed_b)
+        gib = 2.0**30  # in GiB: rows of similar magnitude keep HiGHS fast
+        add({i: kv_b / gib, k + i: mlp_b / gib, 2 * k + i: vocab_b / gib}, -np.inf,
+            (profiles[members[i]].memory_bytes - fixed_b) / gib)
     objective = np.zeros(3 * k + 3)
     objective[[Ta, Tm, Tv]] = [layers, layers, 1]
-    integrality = np.r_[np.ones(3 * k), np.zeros(3)]
+    integrality = np.r_[np.zeros(3 * k) if relax else np.ones(3 * k), np.zeros(3)]
     res = milp(objective, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(3 * k + 3), np.r_[[G] * k + [MB] * k + [VB] * k, [np.inf] * 3]))
+               bounds=Bounds(np.zeros(3 * k + 3), np.r_[[G] * k + [MB] * k + [VB] * k, [np.inf] * 3]), options=MILP_OPTIONS)
     if res.x is None:
         return None
     x = np.round(res.x[: 3 * k]).astype(int).tolist()
     coll = max(collective_seconds(profiles[i], dims) for i in members) if k > 1 else 0.0
-    return res.fun + coll, coll, x[:k], x[k : 2 * k], x[2 * k :]
+    return res.fun + coll, coll, x[:k], x[k : 2 * k], x[2 * k :], res.status == 0
 
 
 def water_fill(floors: list[float], per_unit: list[float], units: int) -> tuple[float, list[int]]:
@@ -221,13 +233,22 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
     """Candidate participant sets. Adding a device never slows a segment's water level, only
     its floors (fixed seconds) and the collectives can rise, so some optimal set contains
     every device whose floors and collective cost are no larger than the set's maxima:
-    enumerate those closures (duplicates removed; few when costs grow with slowness)."""
-    keys = [(unit_costs(p)[0], unit_costs(p)[3], collective_seconds(p, dims)) for p in profiles]
-    found = {}
-    for a, b, c in itertools.product(*(sorted({k[d] for k in keys}) for d in range(3))):
-        members = tuple(i for i, k in enumerate(keys) if k[0] <= a and k[1] <= b and k[2] <= c)
-        if members:
-            found[members] = None
+    enumerate those closures (duplicates removed; few when costs grow with slowness).
+    For each distinct closure in the first two keys, the closures in the third are its
+    prefixes in that key's order, so 64 devices take milliseconds."""
+    keys = np.array([(unit_costs(p)[0], unit_costs(p)[3], collective_seconds(p, dims)) for p in profiles])
+    found, seen = {}, set()
+    for a in np.unique(keys[:, 0]):
+        for b in np.unique(keys[:, 1]):
+            inside = np.flatnonzero((keys[:, 0] <= a) & (keys[:, 1] <= b))
+            if inside.size == 0 or inside.tobytes() in seen:
+                continue
+            seen.add(inside.tobytes())
+            by_c = inside[np.argsort(keys[inside, 2], kind="stable")]
+            c = keys[by_c, 2]
+            for end in range(1, len(by_c) + 1):
+                if end == len(by_c) or c[end] > c[end - 1]:  # ties enter together
+                    found[tuple(sorted(by_c[:end].tolist()))] = None
     for i in range(len(profiles)):  # alone: no collectives at all
         found[(i,)] = None
     return [list(m) for m in found]
@@ -250,13 +271,26 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
         raise XronosError("no device profiles to plan with")
     n = len(profiles)
     best = None
-    for members in _closed_sets(profiles, dims):
-        step, coll, g, m, v = _solve_members(profiles, dims, members)
+    # the memory-free optimum of a set bounds its memory-bound one from below: solve the
+    # sets in order of that bound and stop once it cannot beat the best (branch and bound)
+    unbounded = sorted(((_solve_members(profiles, dims, members), members) for members in _closed_sets(profiles, dims)),
+                       key=lambda sm: sm[0][0])
+    optimal, started = True, time.perf_counter()
+    for (step, coll, g, m, v), members in unbounded:
+        if best is not None and step >= best[0] - 1e-12:
+            break
         if not _fits(profiles, dims, micro_batch, seq_len, members, g, m, v):
+            if best is not None and time.perf_counter() - started > PLAN_BUDGET_SECONDS:
+                optimal = False  # sets left untried
+                break
+            bound = _solve_with_memory(profiles, dims, micro_batch, seq_len, members, relax=True)
+            if bound is None or (best is not None and bound[0] >= best[0] - 1e-12):
+                continue  # cannot hold the model, or cannot beat the best even fractionally
             solved = _solve_with_memory(profiles, dims, micro_batch, seq_len, members)
             if solved is None:
                 continue  # these devices cannot hold the model together
-            step, coll, g, m, v = solved
+            step, coll, g, m, v, proven = solved
+            optimal &= proven
         if best is None or step < best[0] - 1e-12:
             best = (step, coll, members, g, m, v)
     if best is None:
@@ -264,7 +298,8 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     step, coll, members, g, m, v = best
     full = lambda part: [part[members.index(i)] if i in members else 0 for i in range(n)]  # noqa: E731
     y = [1 if i in members else 0 for i in range(n)]
-    return _explain(profiles, dims, micro_batch, seq_len, full(g), full(m), full(v), y, coll)
+    plan = _explain(profiles, dims, micro_batch, seq_len, full(g), full(m), full(v), y, coll)
+    return plan if optimal else plan.model_copy(update={"optimal": False})
 
 
 def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:

@@ -41,6 +41,17 @@ from xronos.report import build_report
 log = logging.getLogger("xronos.controller")
 
 
+FAILURE_GRACE = 1.5
+"""Seconds to wait after a node's failure for its peers' reports, before failing the job."""
+
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout", "Gloo")
+
+
+def _is_peer_error(error: str) -> bool:
+    """A failure that is the echo of another node's (a collective broken by a peer that died)."""
+    return any(marker in error for marker in PEER_ERRORS)
+
+
 class ControllerOptions(BaseModel):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     state_dir: Path | None = None
@@ -58,6 +69,9 @@ class Job:
         self.results: dict[str, wire.RankResult] = {}
         self.plan: JobPlan | None = None
         self.started = time.monotonic()
+        self.planning = False
+        self.failures: dict[str, str] = {}
+        self.fail_at: float | None = None
 
     @property
     def id(self) -> str:
@@ -126,7 +140,10 @@ class Controller:
             log.warning("node %s lost: %s", node.node_id, node.lost_reason)
             self._node_lost(node.node_id, node.lost_reason)
         for job in list(self.jobs.values()):
-            if job.status.state == "planning" and now - job.started > self.o.profile_timeout:
+            if job.fail_at is not None and now >= job.fail_at:
+                ranked = sorted(job.failures.items(), key=lambda kv: _is_peer_error(kv[1]))
+                self._finish(job, "failed", reason="; ".join(f"node {n}: {e}" for n, e in ranked))
+            elif job.status.state == "planning" and now - job.started > self.o.profile_timeout:
                 missing = sorted(set(job.nodes) - set(job.profiles))
                 self._finish(job, "failed", reason=f"no profile from {', '.join(missing)} in {self.o.profile_timeout:g} s")
         self.metrics.nodes_online.set(self.registry.online_count)
@@ -179,8 +196,9 @@ class Controller:
             self.bus.drop("nodes/+/profile", f"profile for job {msg.job_id} from {node_id} lacks dims or port")
             return
         job.profiles[node_id] = msg
-        if set(job.profiles) == set(job.nodes):
-            self._plan(job)
+        if set(job.profiles) == set(job.nodes) and not job.planning:
+            job.planning = True  # planning can take seconds when memory binds: off the network thread
+            threading.Thread(target=self._plan, args=(job,), daemon=True, name=f"plan-{job.id}").start()
 
     def _on_result(self, node_id: str, msg: wire.NodeResult | None) -> None:
         if msg is None:
@@ -189,7 +207,10 @@ class Controller:
         if job is None or node_id not in job.nodes:
             return  # a retained result of an earlier job
         if not msg.ok:
-            self._finish(job, "failed", reason=f"node {node_id}: {msg.error}")
+            # one worker's death makes its peers fail too (their collectives break): gather
+            # what arrives within FAILURE_GRACE and report the root cause first
+            job.failures[node_id] = msg.error or "failed"
+            job.fail_at = job.fail_at or time.monotonic() + FAILURE_GRACE
             return
         if job.status.state != "running" or node_id not in job.members or msg.result is None:
             return
@@ -251,14 +272,24 @@ class Controller:
     def _plan(self, job: Job) -> None:
         profiles = [job.profiles[n].profile for n in job.nodes]
         dims = job.profiles[job.nodes[0]].dims
+        plan, problem = None, None
         if any(job.profiles[n].dims != dims for n in job.nodes):
-            self._finish(job, "failed", reason="the nodes hold different models at the job's model path")
-            return
-        try:
-            job.plan = plan_job(job.command.job, dims, profiles)
-        except XronosError as err:
-            self._finish(job, "failed", reason=f"cannot plan: {err}")
-            return
+            problem = "the nodes hold different models at the job's model path"
+        else:
+            try:
+                plan = plan_job(job.command.job, dims, profiles)
+            except XronosError as err:
+                problem = f"cannot plan: {err}"
+        with self.lock:
+            if self.jobs.get(job.id) is not job or job.status.state != "planning":
+                return  # stopped or failed meanwhile
+            if problem is not None:
+                self._finish(job, "failed", reason=problem)
+                return
+            job.plan = plan
+            self._assign_shards(job)
+
+    def _assign_shards(self, job: Job) -> None:
         master = job.profiles[job.members[0]]
         for d, node_id in enumerate(job.nodes):
             self._assign(node_id, wire.Assignment(

@@ -40,7 +40,8 @@ def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
 def print_plan(plan) -> None:
     """The partitioner's plan: who holds what, predicted seconds, and who sits out and why."""
     print(f"split {plan.split.describe()}")
-    print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)")
+    print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)"
+          + ("" if plan.optimal else "; the best plan found within the solver's time cap, not proven optimal"))
     print(f"{'device':<12} {'rank':>4} {'kv':>3} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'memory MiB':>10}  note")
     for d in plan.devices:
         rank = "-" if d.rank is None else d.rank

@@ -1,0 +1,296 @@
+"""The MQTT control plane, really run: Mosquitto with passwords and the deploy/ ACLs,
+`xronos controller`, `xronos node` and `xronos train --wait` as separate processes,
+and the node agent and controller against the embedded broker.
+
+Bad input of every kind is thrown at the running processes; they log, count and
+drop it, and the jobs go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import paho.mqtt.client as paho
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from controller.registry import Registry
+from controller.service import Controller, ControllerOptions
+from edge_node.agent import NodeAgent, NodeOptions
+from edge_node.launcher import run_local
+from edge_node.worker_process import free_port
+from xronos import wire
+from xronos.broker import EmbeddedBroker
+from xronos.job import JobOptions
+from xronos.mosquitto import Mosquitto
+from xronos.mqtt import BrokerSettings, Bus
+from xronos.operator import cluster_status
+
+USERS = {"controller": "ctl-pw", "operator": "op-pw", "n0": "n0-pw", "n1": "n1-pw", "intruder": "in-pw"}
+STEPS, BATCH, SEQ = 4, 4, 16
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def raw_client(url_port: int, user: str) -> paho.Client:
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"raw-{user}-{time.monotonic_ns()}", protocol=paho.MQTTv311)
+    client.username_pw_set(user, USERS[user])
+    client.connect("127.0.0.1", url_port)
+    client.loop_start()
+    return client
+
+
+def xronos(*args: str, user: str, url: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "XRONOS_BROKER": url, "XRONOS_USERNAME": user, "XRONOS_PASSWORD": USERS[user]}
+    return subprocess.Popen([sys.executable, "-m", "xronos.cli", *args], env=env, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir, data_file):
+    """Mosquitto (passwords + deploy/ ACLs), a controller and nodes n0, n1: all real processes."""
+    root = tmp_path_factory.mktemp("cluster")
+    with Mosquitto(users=USERS) as broker:
+        ports = {"controller": free_port(), "n0": free_port(), "n1": free_port()}
+        procs = [xronos("controller", "--metrics-port", str(ports["controller"]), "--state-dir", str(root / "state"),
+                        user="controller", url=broker.url, log=root / "controller.log")]
+        for node in ("n0", "n1"):
+            procs.append(xronos("node", "--node-id", node, "--metrics-port", str(ports[node]), "--workdir",
+                                str(root / node), "--heartbeat-seconds", "1", user=node, url=broker.url,
+                                log=root / f"{node}.log"))
+        settings = BrokerSettings(broker=broker.url, username="operator", password=USERS["operator"])
+        try:
+            wait_for(lambda: {n.node_id for n in cluster_status(settings, 1.0).nodes if n.status == "online"} >= {"n0", "n1"},
+                     90, "nodes online")
+            yield dict(root=root, broker=broker, ports=ports, settings=settings, procs=procs,
+                       model=model_dir("gqa_tied"), data=data_file)
+        finally:
+            stop(procs)
+            for p in procs:
+                assert p.returncode is not None
+
+
+def train(cluster, job_id: str, *extra: str, log_name: str) -> subprocess.CompletedProcess:
+    root = cluster["root"]
+    env = {**os.environ, "XRONOS_BROKER": cluster["broker"].url, "XRONOS_USERNAME": "operator",
+           "XRONOS_PASSWORD": USERS["operator"]}
+    cmd = [sys.executable, "-m", "xronos.cli", "train", "--model", str(cluster["model"]), "--data", str(cluster["data"]),
+           "--steps", str(STEPS), "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--lr", "1e-3", "--no-shuffle", "--job-id", job_id,
+           "--output", str(root / f"out-{job_id}"), "--wait", "--timeout", "300", "--quiet", *extra]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
+    (root / log_name).write_text(result.stdout + result.stderr)
+    return result
+
+
+def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(cluster, tmp_path):
+    port = cluster["broker"].port
+    intruder, operator = raw_client(port, "intruder"), raw_client(port, "operator")
+    hb = "xronos/nodes/intruder/heartbeat"
+    job = JobOptions(model="m", data="d", output="o")
+    bad = [
+        (intruder, hb, b"{not json"),
+        (intruder, hb, json.dumps({"schema_version": 2, "node_id": "intruder", "state": "idle"}).encode()),
+        (intruder, hb, b" " * (wire.MAX_PAYLOAD_BYTES + 10)),
+        (intruder, hb, wire.Heartbeat(node_id="intruder", state="idle").model_dump_json().encode()),  # never born
+        (intruder, "xronos/nodes/n0/assignment",  # the ACL drops it: only the controller writes assignments
+         wire.Assignment(job_id="evil", node_id="n0", phase="profile", job=job).model_dump_json().encode()),
+        (operator, "xronos/cmd/train", b"[1, 2, 3]"),
+        (operator, "xronos/cmd/stop", wire.StopCommand(job_id="nosuchjob").model_dump_json().encode()),
+        (operator, "xronos/cmd/train", wire.TrainCommand(job_id="ghostly", job=job, nodes=["n0", "ghost"])
+         .model_dump_json().encode()),
+    ]
+    for client, topic, payload in bad:
+        client.publish(topic, payload, qos=1).wait_for_publish(5)
+
+    result = train(cluster, "good-1", "--mode", "tp", "--nodes", "n0,n1", "--report", str(tmp_path / "r.json"),
+                   log_name="train-good.log")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "completed: model written to" in result.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["mode"] == "tp" and report["world_size"] == 2 and len(report["losses"]) == STEPS
+    assert sorted(n["name"] for n in report["nodes"]) == ["n0", "n1"]
+
+    # same math as one process: the report's losses and the exported weights
+    out = cluster["root"] / "out-good-1"
+    reference = run_local(JobOptions(model=str(cluster["model"]), data=str(cluster["data"]), output=str(tmp_path / "single"),
+                                     mode="single", steps=STEPS, batch_size=BATCH, seq_len=SEQ, lr=1e-3, shuffle=False),
+                          1, show_progress=False)
+    assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    single = AutoModelForCausalLM.from_pretrained(tmp_path / "single")
+    for (name, a), (_, b) in zip(trained.state_dict().items(), single.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3, msg=name)
+
+    # the bad input was counted, the command naming a missing node failed with the reason
+    ctl = metrics(cluster["ports"]["controller"])
+    assert ctl['xronos_invalid_messages_total{topic="nodes/+/heartbeat"}'] >= 4
+    assert ctl['xronos_invalid_messages_total{topic="cmd/train"}'] >= 2
+    assert ctl['xronos_invalid_messages_total{topic="cmd/stop"}'] >= 1
+    assert ctl['xronos_jobs{state="completed"}'] >= 1
+    assert ctl['xronos_job_step_seconds{job="good-1"}'] > 0
+    jobs = {j.job_id: j for j in cluster_status(cluster["settings"], 1.0).jobs}
+    assert jobs["ghostly"].state == "failed" and "ghost is unknown" in jobs["ghostly"].reason
+    assert jobs["good-1"].state == "completed" and "evil" not in jobs
+    node = metrics(cluster["ports"]["n0"])
+    assert node['xronos_tokens_total{node="n0"}'] == STEPS * BATCH * SEQ
+    assert node['xronos_step_seconds_count{node="n0"}'] == STEPS
+    assert node['xronos_shard_kv_groups{node="n0"}'] + metrics(cluster["ports"]["n1"])['xronos_shard_kv_groups{node="n1"}'] == 3
+    intruder.loop_stop()
+    operator.loop_stop()
+
+
+def test_a_worker_killed_mid_job_fails_the_job_by_name_and_frees_the_nodes(cluster):
+    root = cluster["root"]
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(result=train(
+        cluster, "doomed", "--mode", "tp", "--nodes", "n0,n1", "--steps", "3000", log_name="train-doomed.log")))
+    runner.start()
+    spec = root / "n1" / "jobs" / "doomed" / "spec.json"
+
+    def n1_worker_training():
+        if not (root / "n1" / "jobs" / "doomed" / "progress.jsonl").is_file():
+            return None
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and str(spec) in Path(f"/proc/{pid}/cmdline").read_bytes().decode():
+                    return int(pid)
+            except OSError:
+                continue
+        return None
+
+    pid = wait_for(n1_worker_training, 120, "n1's worker to train")
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=120)
+    result = done["result"]
+    assert result.returncode != 0
+    assert "doomed failed" in result.stderr and "node n1" in result.stderr and "SIGKILL" in result.stderr
+    # both nodes are free again: a new job on them completes
+    again = train(cluster, "after-1", "--mode", "xronos", "--steps", "2", log_name="train-after.log")
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+@pytest.fixture
+def open_broker():
+    port = free_port()
+    broker = EmbeddedBroker("127.0.0.1", port).start()
+    yield broker, BrokerSettings(broker=f"mqtt://127.0.0.1:{port}")
+    broker.stop()
+
+
+def test_controller_and_node_drop_forgeries_and_reconnect_on_an_open_broker(open_broker, tmp_path):
+    """Without ACLs (the embedded broker) the controller undoes assignments it did not write;
+    garbage to a node is counted and dropped; both come back after the broker restarts."""
+    broker, settings = open_broker
+    controller = Controller(ControllerOptions(heartbeat_timeout=30), settings).start()
+    agent = NodeAgent(NodeOptions(node_id="gw-1", workdir=tmp_path / "gw-1", heartbeat_seconds=0.3,
+                                  startup_profile=False), settings)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    forger = Bus(settings, "forger").start()
+    try:
+        wait_for(lambda: controller.registry.alive("gw-1"), 10, "the node's birth")
+        job = JobOptions(model="m", data="d", output="o")
+        forger.client.publish("xronos/nodes/gw-1/assignment", b"\xff\xfe garbage", qos=1)
+        wait_for(lambda: agent.bus.invalid["nodes/+/assignment"] >= 1, 10, "the node to drop garbage")
+        wait_for(lambda: controller.bus.invalid["nodes/+/assignment"] >= 1, 10, "the controller to drop garbage")
+        forger.publish(wire.ASSIGNMENT, "gw-1", wire.Assignment(job_id="forged", node_id="gw-1", phase="profile", job=job))
+        wait_for(lambda: controller.bus.invalid["nodes/+/assignment"] >= 2, 10, "the controller to see the forgery")
+        # the controller cleared it: nothing retained remains for the node
+        seen = []
+        probe = Bus(settings, "probe")
+        probe.subscribe(wire.ASSIGNMENT, lambda i, m: seen.append(m), ident="gw-1")
+        probe.start()
+        time.sleep(1.0)
+        probe.stop()
+        assert all(m is None for m in seen)
+        # a command naming a node that does not exist fails the job; the controller goes on
+        forger.publish(wire.TRAIN, "", wire.TrainCommand(job_id="j-missing", job=job, nodes=["gw-9"]))
+        wait_for(lambda: "j-missing" in controller.finished, 10, "the failed job")
+        assert "gw-9 is unknown" in controller.finished["j-missing"].reason
+
+        # the broker goes away and comes back on the same port: both reconnect by themselves
+        broker.stop()
+        wait_for(lambda: not agent.bus.connected.is_set(), 10, "the node to notice")
+        with controller.lock:  # forget the node: only a new birth can bring it back
+            controller.registry.nodes.clear()
+        restarted = EmbeddedBroker("127.0.0.1", broker.port).start()
+        try:
+            wait_for(lambda: agent.bus.connected.is_set() and controller.bus.connected.is_set(), 30, "reconnects")
+            wait_for(lambda: controller.registry.alive("gw-1"), 15, "a new birth after reconnecting")
+        finally:
+            agent.stop()
+            thread.join(timeout=10)
+            restarted.stop()
+    finally:
+        agent.stop()
+        forger.stop()
+        controller.close()
+
+
+def test_registry_declares_silent_nodes_lost():
+    reg = Registry(timeout=5)
+    reg.online("a", now=0.0)
+    reg.online("b", now=0.0)
+    reg.nodes["b"].last_seen = 4.0
+    assert [n.node_id for n in reg.expire(now=6.0)] == ["a"]
+    assert reg.alive("a") is None and reg.alive("b") is not None
+    assert "no heartbeat" in reg.nodes["a"].lost_reason
+    assert reg.available(busy={"b"}) == []
+    assert reg.available(busy=set()) == ["b"]
+
+
+def test_demo_runs_the_whole_system_and_leaves_no_process(tmp_path):
+    work = tmp_path / "demo"
+    result = subprocess.run([sys.executable, "-m", "xronos.cli", "demo", "--workdir", str(work), "--steps", "4"],
+                            capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "publishing xronos/cmd/train" in result.stdout
+    assert "xronos step time is" in result.stdout
+    assert "mode tp: 3 worker(s)" in result.stdout
+    left = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and str(work) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                left.append(pid)
+        except OSError:
+            continue
+    assert not left, f"processes left behind: {left}"
