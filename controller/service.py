@@ -101,7 +101,8 @@ class Controller:
         self.bus = Bus(settings, client_id=client_id, on_invalid=self.metrics.dropped)
         for topic, handler in ((wire.NODE_STATUS, self._on_status), (wire.HEARTBEAT, self._on_heartbeat),
                                (wire.PROFILE, self._on_profile), (wire.RESULT, self._on_result),
-                               (wire.ASSIGNMENT, self._on_assignment), (wire.TRAIN, self._on_train),
+                               (wire.ASSIGNMENT, self._on_assignment), (wire.JOB_STATUS, self._on_job_status),
+                               (wire.TRAIN, self._on_train),
                                (wire.STOP, self._on_stop)):
             self.bus.subscribe(topic, self._locked(handler))
 
@@ -227,6 +228,15 @@ class Controller:
             return
         self.bus.drop("nodes/+/assignment", f"assignment for {node_id} not written by this controller")
         self.bus.publish(wire.ASSIGNMENT, node_id, mine)  # put back what this controller said (or clear it)
+
+    def _on_job_status(self, job_id: str, msg: wire.JobStatus | None) -> None:
+        """A job left unfinished by an earlier controller (a restart) is marked failed, not left `running`."""
+        if msg is None or msg.finished or job_id in self.jobs or msg.ts >= self.started_at:
+            return
+        status = msg.model_copy(update={"state": "failed", "reason": "the controller restarted during the job",
+                                        "ts": time.time()})
+        self.finished[job_id] = status
+        self._publish(status)
 
     def _node_lost(self, node_id: str, reason: str) -> None:
         for job in list(self.jobs.values()):

@@ -99,8 +99,13 @@ def cluster(tmp_path_factory, model_dir, data_file):
                                 log=root / f"{node}.log"))
         settings = BrokerSettings(broker=broker.url, username="operator", password=USERS["operator"])
         try:
-            wait_for(lambda: {n.node_id for n in cluster_status(settings, 1.0).nodes if n.status == "online"} >= {"n0", "n1"},
-                     90, "nodes online")
+            def controller_sees_both():
+                try:
+                    return metrics(ports["controller"]).get("xronos_nodes_online") == 2
+                except OSError:
+                    return False
+
+            wait_for(controller_sees_both, 90, "the controller to see both nodes online", poll=0.5)
             yield dict(root=root, broker=broker, ports=ports, settings=settings, procs=procs,
                        model=model_dir("gqa_tied"), data=data_file)
         finally:
@@ -294,3 +299,25 @@ def test_demo_runs_the_whole_system_and_leaves_no_process(tmp_path):
         except OSError:
             continue
     assert not left, f"processes left behind: {left}"
+
+
+def test_broker_command_requires_its_password_and_status_reads_through_it():
+    port = free_port()
+    env = {**os.environ, "XRONOS_USERNAME": "ops", "XRONOS_PASSWORD": "s3cret"}
+    proc = subprocess.Popen([sys.executable, "-m", "xronos.cli", "broker", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "password required" in proc.stdout.readline()
+        url = f"mqtt://127.0.0.1:{port}"
+        with pytest.raises(Exception, match="Not authorized"):
+            Bus(BrokerSettings(broker=url, username="ops", password="wrong"), "bad").start(wait=5)
+        status = subprocess.run([sys.executable, "-m", "xronos.cli", "status", "--json", "--listen", "0.5",
+                                 "--broker", url], env=env, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout) == {"nodes": [], "jobs": []}
+        missing = subprocess.run([sys.executable, "-m", "xronos.cli", "status", "--broker", "mqtt://127.0.0.1:1"],
+                                 capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 2 and missing.stderr.startswith("xronos: error: cannot connect to the broker")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
