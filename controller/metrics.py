@@ -3,14 +3,17 @@ predicted vs measured step time, invalid messages, and how late it handles heart
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
+
+from xronos.metrics_http import MetricsEndpoint
 
 JOB_STATES = ("planning", "running", "completed", "failed", "stopped")
 
 
-class ControllerMetrics:
+class ControllerMetrics(MetricsEndpoint):
     def __init__(self):
-        self.registry = r = CollectorRegistry()
+        super().__init__()
+        r = self.registry
         self.nodes_online = Gauge("xronos_nodes_online", "Nodes online (birth seen, heartbeats on time).", registry=r)
         self.nodes_known = Gauge("xronos_nodes_known", "Nodes the registry has seen.", registry=r)
         self.jobs = Gauge("xronos_jobs", "Jobs by state.", ["state"], registry=r)
@@ -22,14 +25,6 @@ class ControllerMetrics:
         self.heartbeat_lag = Histogram("xronos_heartbeat_lag_seconds", "From a heartbeat's send time to its handling.",
                                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
                                        registry=r)
-        self._server = None
-
-    def serve(self, port: int, address: str = "0.0.0.0") -> None:
-        self._server, _ = start_http_server(port, addr=address, registry=self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
 
     def dropped(self, topic: str, why: str) -> None:
         self.invalid.labels(topic).inc()

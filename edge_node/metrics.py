@@ -7,14 +7,16 @@ per-step progress lines; served over HTTP on `--metrics-port`.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
+
+from xronos.metrics_http import MetricsEndpoint
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
-class NodeMetrics:
+class NodeMetrics(MetricsEndpoint):
     def __init__(self, node_id: str):
-        self.registry = CollectorRegistry()
+        super().__init__()
         r, label = self.registry, {"labelnames": ["node"]}
         self.step_seconds = Histogram("xronos_step_seconds", "Wall time of a training step.", buckets=STEP_BUCKETS, registry=r, **label)
         self.compute = Counter("xronos_compute_seconds", "Seconds computing (step time outside collectives).", registry=r, **label)
@@ -29,14 +31,6 @@ class NodeMetrics:
         self.invalid = Counter("xronos_invalid_messages", "Messages dropped for breaking the wire contract.",
                                registry=r, labelnames=["node", "topic"])
         self.node_id = node_id
-        self._server = None
-
-    def serve(self, port: int, address: str = "0.0.0.0") -> None:
-        self._server, _ = start_http_server(port, addr=address, registry=self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
 
     def step(self, line: dict) -> None:
         n = self.node_id

@@ -23,7 +23,7 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -47,7 +47,7 @@ class WorkerProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._tee = threading.Thread(target=self._copy, args=(log_file, echo), daemon=True)
@@ -73,14 +73,19 @@ class WorkerProcess:
         return f"{who} {how}" + (f": {last.strip()}" if last else "")
 
 
-def stop_all(workers: list[WorkerProcess]) -> None:
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.terminate()
-    deadline = time.monotonic() + 5
-    for w in workers:
+def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM every process still running, then SIGKILL what has not ended after `grace` seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in procs:
         try:
-            w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
+            proc.kill()
+            proc.wait()
+
+
+def stop_all(workers: list[WorkerProcess]) -> None:
+    stop_processes([w.proc for w in workers])

@@ -22,7 +22,8 @@ def _job(model, data, out, mode, **kw):
 def test_resume_with_another_split_continues_the_same_training(model_dir, data_file, tmp_path):
     model = model_dir("gqa_tied")
     first = tmp_path / "first"
-    full = run_local(_job(model, data_file, first, "xronos"), 3, speeds=[1, 0.5, 0.25], show_progress=False)
+    uneven = {"kv_groups": [2, 1, 0], "mlp_columns": [100, 40, 20], "vocab_rows": [160, 100, 60]}
+    full = run_local(_job(model, data_file, first, "xronos"), 3, split_override=uneven, show_progress=False)
     ckpt = checkpoint.latest_checkpoint(first)
     assert ckpt is not None and ckpt.name == "step-00000003"
     assert AutoModelForCausalLM.from_pretrained(ckpt) is not None  # a checkpoint is a plain HF model

@@ -27,7 +27,7 @@ from controller.registry import Registry
 from controller.service import Controller, ControllerOptions
 from edge_node.agent import NodeAgent, NodeOptions
 from edge_node.launcher import run_local
-from edge_node.worker_process import free_port
+from edge_node.worker_process import free_port, stop_processes
 from xronos import wire
 from xronos.broker import EmbeddedBroker
 from xronos.job import JobOptions
@@ -73,18 +73,6 @@ def xronos(*args: str, user: str, url: str, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir, data_file):
     """Mosquitto (passwords + deploy/ ACLs), a controller and nodes n0, n1: all real processes."""
@@ -109,7 +97,7 @@ def cluster(tmp_path_factory, model_dir, data_file):
             yield dict(root=root, broker=broker, ports=ports, settings=settings, procs=procs,
                        model=model_dir("gqa_tied"), data=data_file)
         finally:
-            stop(procs)
+            stop_processes(procs, grace=15)
             for p in procs:
                 assert p.returncode is not None
 

@@ -12,6 +12,7 @@ with it if it is killed).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from controller.service import Controller, ControllerOptions
 from edge_node.toy_model import make_data, make_model
-from edge_node.worker_process import free_port
+from edge_node.worker_process import die_with_parent, free_port, stop_processes
 from xronos import wire
 from xronos.broker import EmbeddedBroker
 from xronos.errors import XronosError
@@ -35,16 +36,12 @@ DEMO_USER, DEMO_PASSWORD = "xronos-demo", "demo-only-password"
 
 
 def _start_node(root: Path, node_id: str, speed: float, settings: BrokerSettings) -> subprocess.Popen:
-    from edge_node.worker_process import _die_with_parent
-
     log = (root / f"{node_id}.log").open("wb")
     cmd = [sys.executable, "-m", "xronos.cli", "node", "--node-id", node_id, "--speed", str(speed),
            "--workdir", str(root / "nodes" / node_id), "--broker", settings.broker]
     env_auth = {"XRONOS_USERNAME": settings.username, "XRONOS_PASSWORD": settings.password.get_secret_value()}
-    import os
-
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_auth},
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
 
 
 def _wait_online(controller: Controller, nodes: list[str], procs: list[subprocess.Popen], timeout: float) -> None:
@@ -97,15 +94,7 @@ def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | N
             print(f"\nxronos step time is {xr.mean_step_seconds / tp.mean_step_seconds:.2f}x the even split's; "
                   f"idle {xr.idle_ratio:.1%} vs {tp.idle_ratio:.1%}")
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_processes(procs, grace=15)  # the nodes publish `offline` and stop their workers
             controller.close()
             broker.stop()
     return 0

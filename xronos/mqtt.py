@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -93,7 +94,16 @@ class Bus:
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self, wait: float | None = 10.0) -> "Bus":
-        """Connect in the background; with `wait`, fail with a clear error if the broker does not answer in time."""
+        """Connect in the background; with `wait`, fail with a clear error if the broker does not answer in time.
+
+        Without `wait` (long-running processes) a missing broker is retried until it comes.
+        """
+        if wait is not None:  # a command-line client: say at once that nothing listens there
+            try:
+                socket.create_connection((self.address.host, self.address.port), timeout=wait).close()
+            except OSError as err:
+                raise XronosError(f"cannot connect to the broker at {self.address.host}:{self.address.port}: "
+                                  f"{err.strerror or err}") from None
         self.client.connect_async(self.address.host, self.address.port, keepalive=10)
         self.client.loop_start()
         if wait is not None and not self.connected.wait(wait):
