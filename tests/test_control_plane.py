@@ -182,13 +182,7 @@ def test_a_worker_killed_mid_job_fails_the_job_by_name_and_frees_the_nodes(clust
     def n1_worker_training():
         if not (root / "n1" / "jobs" / "doomed" / "progress.jsonl").is_file():
             return None
-        for pid in os.listdir("/proc"):
-            try:
-                if pid.isdigit() and str(spec) in Path(f"/proc/{pid}/cmdline").read_bytes().decode():
-                    return int(pid)
-            except OSError:
-                continue
-        return None
+        return next(iter(processes_mentioning(str(spec))), None)
 
     pid = wait_for(n1_worker_training, 120, "n1's worker to train")
     os.kill(pid, signal.SIGKILL)
@@ -199,6 +193,34 @@ def test_a_worker_killed_mid_job_fails_the_job_by_name_and_frees_the_nodes(clust
     # both nodes are free again: a new job on them completes
     again = train(cluster, "after-1", "--mode", "xronos", "--steps", "2", log_name="train-after.log")
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_stop_command_stops_the_job_and_its_workers(cluster):
+    root = cluster["root"]
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(result=train(
+        cluster, "halted", "--mode", "tp", "--nodes", "n0,n1", "--steps", "3000", log_name="train-halted.log")))
+    runner.start()
+    wait_for(lambda: (root / "n0" / "jobs" / "halted" / "progress.jsonl").is_file(), 120, "the job to train")
+    operator = raw_client(cluster["broker"].port, "operator")
+    operator.publish(wire.STOP.name(), wire.StopCommand(job_id="halted").model_dump_json().encode(), qos=1).wait_for_publish(5)
+    runner.join(timeout=60)
+    result = done["result"]
+    assert result.returncode != 0 and "job halted stopped: stopped by command" in result.stderr
+    wait_for(lambda: not processes_mentioning(str(root / "n0" / "jobs" / "halted")) and
+             not processes_mentioning(str(root / "n1" / "jobs" / "halted")), 20, "the workers to stop")
+    operator.loop_stop()
 
 
 @pytest.fixture
@@ -279,13 +301,7 @@ def test_demo_runs_the_whole_system_and_leaves_no_process(tmp_path):
     assert "publishing xronos/cmd/train" in result.stdout
     assert "xronos step time is" in result.stdout
     assert "mode tp: 3 worker(s)" in result.stdout
-    left = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and str(work) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                left.append(pid)
-        except OSError:
-            continue
+    left = processes_mentioning(str(work))
     assert not left, f"processes left behind: {left}"
 
 
