@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--modes", default="single,tp,xronos")
+    parser.add_argument("--kv-heads", type=int, default=SMOL_SHAPES["kv_heads"],
+                        help="KV heads (3 as SmolLM2; 9 = multi-head attention: finer attention shards)")
     parser.add_argument("--json", help="write all reports here")
     args = parser.parse_args()
     speeds = [float(s) for s in args.speeds.split(",")]
@@ -39,7 +41,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="xronos-bench-") as tmp:
         root = Path(tmp)
-        model = make_model(root / "model", layers=args.layers, **SMOL_SHAPES)
+        shapes = {**SMOL_SHAPES, "kv_heads": args.kv_heads}
+        model = make_model(root / "model", layers=args.layers, **shapes)
         data = make_data(root / "data.jsonl", rows=64, seq_len=args.seq_len, vocab=SMOL_SHAPES["vocab"])
         reports = {}
         for mode in args.modes.split(","):
@@ -50,7 +53,7 @@ def main() -> None:
             print(f"{mode}: {reports[mode].mean_step_seconds:.3f} s/step", flush=True)
         n_params = reports[next(iter(reports))].nodes[0].param_bytes // 4 if "single" in reports else 0
 
-    print(f"\nmodel: {args.layers} layers, {SMOL_SHAPES}, {n_params / 1e6:.1f}M parameters; "
+    print(f"\nmodel: {args.layers} layers, {shapes}, {n_params / 1e6:.1f}M parameters; "
           f"batch {args.batch_size} x {args.seq_len} tokens; speeds {speeds} (sum {sum(speeds):g})")
     ideal = reports["single"].mean_step_seconds / sum(speeds) if "single" in reports else None
     base = reports.get("tp")

@@ -340,9 +340,15 @@ def recalibrate(profile: DeviceProfile, factor: float) -> DeviceProfile:
     return profile.model_copy(update=scaled)
 
 
+MIN_REPLAN_GAIN = 0.05
+"""A re-plan re-shards only if it predicts at least this much shorter steps."""
+
+
 def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[float],
-           micro_batch: int, seq_len: int) -> ShardSplit:
-    """A new split for the same ranks from measured compute seconds per micro-step (rank order).
+           micro_batch: int, seq_len: int) -> tuple[ShardSplit, list[DeviceProfile]]:
+    """A new split for the same ranks from measured compute seconds per micro-step (rank order),
+    and the profiles recalibrated towards the measurement (the next re-plan starts from them,
+    so repeated re-plans converge on the measured pace).
 
     The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
     """
@@ -358,6 +364,9 @@ def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, me
     if not _fits(calibrated, dims, micro_batch, seq_len, members, g, m, v):
         solved = _solve_with_memory(calibrated, dims, micro_batch, seq_len, members)
         if solved is None:
-            return split
-        _, _, g, m, v = solved
-    return _to_split(dims, g, m, v)
+            return split, profiles
+        step, _, g, m, v, _ = solved
+    current = step_seconds(calibrated, dims, list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows)))
+    if step > current * (1 - MIN_REPLAN_GAIN):  # not worth a re-shard (and measurement noise would drive it)
+        return split, calibrated
+    return _to_split(dims, g, m, v), calibrated

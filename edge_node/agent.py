@@ -38,15 +38,10 @@ from edge_node.worker_process import WorkerProcess, free_port, stop_all
 from xronos import wire
 from xronos.job import JobOptions
 from xronos.mqtt import BrokerSettings, Bus
-from xronos.profiles import DeviceProfile
+from xronos.profiles import REFERENCE_BATCH, REFERENCE_CONFIG, REFERENCE_SEQ, DeviceProfile
 from xronos.report import LocalAssignment, RankResult
 
 log = logging.getLogger("xronos.node")
-
-REFERENCE_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
-                        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-"""The start-up profile's shape: one SmolLM2-135M layer at 1 x 64 tokens (a quick look at the device's speed)."""
-REFERENCE_BATCH, REFERENCE_SEQ = 1, 64
 
 
 class NodeOptions(BaseModel):

@@ -33,6 +33,8 @@ from xronos.report import RankResult
 from xronos.splits import ModelDims, ShardSplit
 
 KEEP_CHECKPOINTS = 2
+MAX_REPLANS = 3
+"""Mode xronos re-plans every `replan_after` timed steps until the split settles, at most this often."""
 
 
 class WorkerSpec(BaseModel):
@@ -90,6 +92,7 @@ class Trainer:
         self.model = self.load_model(source, config)
         self.optimizer = self.make_optimizer()
         self.measure_from = 0
+        self.replans, self.replan_settled = 0, False
         self.rows = load_file(spec.rows_file)["input_ids"]
         self.start_step, self.losses = 0, []
         if resume_from is not None:
@@ -157,7 +160,8 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
                 bar.update()
-            if step - self.start_step + 1 == self.job.replan_after + 1 and self.can_replan():
+            room = step + 2 < self.job.steps  # a re-shard needs a warm-up step and a timed one after it
+            if room and self.can_replan() and len(self.step_seconds) - self.timed_from() == self.job.replan_after:
                 self.replan()
             every = self.job.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < self.job.steps:
@@ -185,7 +189,12 @@ class Trainer:
 
     # -- re-planning from measured compute ------------------------------------------
     def can_replan(self) -> bool:
-        return self.job.mode == "xronos" and self.spec.profiles is not None and self.world > 1
+        return (self.job.mode == "xronos" and self.spec.profiles is not None and self.world > 1
+                and self.job.replan_after > 0 and self.replans < MAX_REPLANS and not self.replan_settled)
+
+    def timed_from(self) -> int:
+        """The first step of the current split that counts for timing (not a warm-up)."""
+        return self.measure_from if self.measure_from else 1
 
     def replan(self) -> None:
         """Re-size every shard from the compute each rank really measured, then re-shard in place.
@@ -196,7 +205,8 @@ class Trainer:
         """
         from controller.partitioner import replan
 
-        timed = range(1, len(self.step_seconds))
+        self.replans += 1
+        timed = range(self.timed_from(), len(self.step_seconds))
         mine = sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / len(timed) / self.job.grad_accum
         measured = [torch.zeros(1) for _ in range(self.world)]
         dist.all_gather(measured, torch.tensor([mine]))
@@ -205,8 +215,10 @@ class Trainer:
             box[0] = replan(self.spec.profiles, self.dims, self.spec.split, [t.item() for t in measured],
                             self.job.batch_size // self.job.grad_accum, self.job.seq_len)
         dist.broadcast_object_list(box, src=0)
-        new_split = box[0]
+        new_split, calibrated = box[0]
+        self.spec = self.spec.model_copy(update={"profiles": calibrated})
         if new_split == self.spec.split:
+            self.replan_settled = True  # the measured pace agrees with the split: no more re-plans
             return
         self.measure_from = len(self.step_seconds) + 1  # the first step after a re-shard warms up again
         staging = self.output / ".replan"

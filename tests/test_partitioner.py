@@ -114,3 +114,28 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
     assert "predicted step" in capsys.readouterr().out
     path.write_text("[{\"device\": 1}]")
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 2
+
+
+def test_repeated_replans_converge_on_the_measured_pace():
+    """Devices that really run at other paces than profiled: each re-plan starts from the
+    profiles the last one recalibrated, so the split converges to the one planned with the
+    true paces (half-way steps: the error factor f shrinks as f**(1/2**k)), to within the
+    gain a re-shard must promise."""
+    from controller.partitioner import MIN_REPLAN_GAIN, _solve_members, device_compute, recalibrate, replan
+
+    rng = random.Random(7)
+    profiles = [profile(i, rng) for i in range(3)]
+    truth = [recalibrate(p, f) for p, f in zip(profiles, (0.5, 1.8, 1.1))]
+    members = [0, 1, 2]
+    best, _, *shares = _solve_members(truth, DIMS, members)
+    split = plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split
+    current = profiles
+    for _ in range(8):
+        measured = [device_compute(t, DIMS, split.kv_groups[r], split.mlp_columns[r], split.vocab_rows[r])
+                    for r, t in enumerate(truth)]
+        split, current = replan(current, DIMS, split, measured, SHAPE.micro_batch, SHAPE.seq_len)
+    final = step_seconds(truth, DIMS, list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows)))
+    first = plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split
+    start = step_seconds(truth, DIMS, list(zip(first.kv_groups, first.mlp_columns, first.vocab_rows)))
+    print(f"true optimum {best:.3f}, first plan {start:.3f}, after re-plans {final:.3f}")
+    assert final <= best / (1 - MIN_REPLAN_GAIN) ** 2 and final < start * 0.9

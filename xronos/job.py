@@ -29,7 +29,8 @@ class JobOptions(BaseModel):
     checkpoint_every: NonNegativeInt = Field(0, description="Checkpoint every N steps (0: only the final model).")
     resume: bool = Field(False, description="Continue from the newest checkpoint under `output`.")
     replan_after: NonNegativeInt = Field(
-        2, description="Mode xronos: re-plan once from measured compute after this many timed steps (0: never).")
+        2, description="Mode xronos: re-plan from measured compute every this many timed steps, until the split "
+                       "settles (at most 3 times; 0: never).")
     micro_batches: PositiveInt | None = Field(None, description="Pipeline mode: micro-batches per step (default: batch_size).")
 
     @model_validator(mode="after")

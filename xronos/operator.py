@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from xronos import wire
 from xronos.errors import XronosError
 from xronos.mqtt import BrokerSettings, Bus
+from xronos.profiles import reference_layer_seconds
 
 
 def new_job_id() -> str:
@@ -117,12 +118,10 @@ def cluster_status(settings: BrokerSettings, listen_seconds: float = 2.5) -> Clu
 
     def on_profile(node_id, msg):
         if msg is not None and msg.job_id is None:
-            p = msg.profile
             with lock:
                 view = node(node_id)
-                view.speed_hint = p.speed_hint
-                layer = (p.shape.hidden_size // p.shape.head_dim // p.shape.heads_per_group) * p.kv_group_seconds
-                view.layer_ms = 1000 * (layer + p.layer_fixed_seconds)
+                view.speed_hint = msg.profile.speed_hint
+                view.layer_ms = 1000 * reference_layer_seconds(msg.profile)
 
     def on_job(job_id, msg):
         if msg is not None:

@@ -46,3 +46,17 @@ class DeviceProfile(BaseModel):
     memory_bytes: PositiveInt = Field(description="Memory the device can give to the job.")
     address: str | None = None
     profile_seconds: NonNegativeFloat = 0.0
+
+
+REFERENCE_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+"""A node's start-up profile is measured on one SmolLM2-135M layer (a Llama config with these
+sizes) at REFERENCE_BATCH x REFERENCE_SEQ tokens: a quick look at each device's speed before any job."""
+REFERENCE_BATCH, REFERENCE_SEQ = 1, 64
+
+
+def reference_layer_seconds(p: DeviceProfile) -> float:
+    """Seconds of one whole reference layer (all KV groups and MLP columns) by a start-up profile."""
+    kv_groups = REFERENCE_CONFIG["num_key_value_heads"]
+    mlp_blocks = REFERENCE_CONFIG["intermediate_size"] / p.shape.mlp_block
+    return p.layer_fixed_seconds + kv_groups * p.kv_group_seconds + mlp_blocks * p.mlp_block_seconds
