@@ -36,7 +36,7 @@ from controller.registry import Registry
 from xronos import wire
 from xronos.errors import XronosError
 from xronos.mqtt import BrokerSettings, Bus
-from xronos.report import build_report
+from xronos.report import RankResult, build_report
 
 log = logging.getLogger("xronos.controller")
 
@@ -66,7 +66,7 @@ class Job:
         self.command, self.nodes = command, nodes
         self.status = wire.JobStatus(job_id=command.job_id, state="planning", steps=command.job.steps, nodes=nodes)
         self.profiles: dict[str, wire.ProfileMessage] = {}
-        self.results: dict[str, wire.RankResult] = {}
+        self.results: dict[str, RankResult] = {}
         self.plan: JobPlan | None = None
         self.started = time.monotonic()
         self.planning = False

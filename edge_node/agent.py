@@ -1,8 +1,10 @@
 """`xronos node`: the device agent.
 
-The agent itself stays light (no torch): it speaks MQTT, heartbeats, serves
-metrics, and runs all heavy work in one worker process under the device's CPU
-quota (`edge_node.worker`, as `xronos run` does). Lifecycle of a job here:
+The agent speaks MQTT, heartbeats, serves metrics, and runs all heavy work
+(profiling, training) in one worker process under the device's CPU quota
+(`edge_node.worker`, as `xronos run` does); the agent itself is not throttled,
+so its heartbeats stay on time while the worker is. It only reads the job's
+config and tokenizes its data before the worker starts. Lifecycle of a job here:
 
 1. assignment phase `profile`: read the job's model config and data, start a
    worker that profiles this device at the job's shapes, publish the profile

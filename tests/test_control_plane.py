@@ -171,12 +171,18 @@ def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(clus
     operator.loop_stop()
 
 
-def test_a_worker_killed_mid_job_fails_the_job_by_name_and_frees_the_nodes(cluster):
-    root = cluster["root"]
+def train_long_in_background(cluster, job_id: str) -> tuple[threading.Thread, dict]:
+    """`xronos train --wait` of a job far too long to finish, in a thread; its result lands in the dict."""
     done: dict = {}
     runner = threading.Thread(target=lambda: done.update(result=train(
-        cluster, "doomed", "--mode", "tp", "--nodes", "n0,n1", "--steps", "3000", log_name="train-doomed.log")))
+        cluster, job_id, "--mode", "tp", "--nodes", "n0,n1", "--steps", "3000", log_name=f"train-{job_id}.log")))
     runner.start()
+    return runner, done
+
+
+def test_a_worker_killed_mid_job_fails_the_job_by_name_and_frees_the_nodes(cluster):
+    root = cluster["root"]
+    runner, done = train_long_in_background(cluster, "doomed")
     spec = root / "n1" / "jobs" / "doomed" / "spec.json"
 
     def n1_worker_training():
@@ -208,10 +214,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 def test_a_stop_command_stops_the_job_and_its_workers(cluster):
     root = cluster["root"]
-    done: dict = {}
-    runner = threading.Thread(target=lambda: done.update(result=train(
-        cluster, "halted", "--mode", "tp", "--nodes", "n0,n1", "--steps", "3000", log_name="train-halted.log")))
-    runner.start()
+    runner, done = train_long_in_background(cluster, "halted")
     wait_for(lambda: (root / "n0" / "jobs" / "halted" / "progress.jsonl").is_file(), 120, "the job to train")
     operator = raw_client(cluster["broker"].port, "operator")
     operator.publish(wire.STOP.name(), wire.StopCommand(job_id="halted").model_dump_json().encode(), qos=1).wait_for_publish(5)

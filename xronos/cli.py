@@ -187,15 +187,16 @@ def _log_to_stderr(args) -> None:
 
 
 def cmd_broker(args) -> int:
-    import os
     import signal
     import threading
 
     from xronos.broker import EmbeddedBroker
 
     _log_to_stderr(args)
-    username = args.username or os.environ.get("XRONOS_USERNAME")
-    password = args.password or os.environ.get("XRONOS_PASSWORD")
+    args.broker = None
+    settings = _settings(args)
+    username = settings.username
+    password = settings.password.get_secret_value() if settings.password else None
     if bool(username) != bool(password):
         raise XronosError("give both --username and --password (or neither)")
     broker = EmbeddedBroker(args.host, args.port, {username: password} if username else None).start()
@@ -268,6 +269,13 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _add_service_options(p: argparse.ArgumentParser) -> None:
+    """What the long-running processes (controller, node) share besides the broker."""
+    _add_broker_options(p)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--verbose", action="store_true")
+
+
 def _add_broker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", help="mqtt://host:port (env XRONOS_BROKER; default mqtt://127.0.0.1:1883)")
     p.add_argument("--username", help="MQTT username (env XRONOS_USERNAME)")
@@ -322,23 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
     broker.set_defaults(func=cmd_broker)
 
     ctl = sub.add_parser("controller", help="the control plane: node registry, planning, assignments, jobs")
-    _add_broker_options(ctl)
-    ctl.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    _add_service_options(ctl)
     ctl.add_argument("--state-dir", type=Path, help="keep finished jobs' statuses and reports here")
     ctl.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a node is lost")
-    ctl.add_argument("--verbose", action="store_true")
     ctl.set_defaults(func=cmd_controller)
 
     node = sub.add_parser("node", help="the device agent: profile, heartbeat, train assigned shards")
-    _add_broker_options(node)
+    _add_service_options(node)
     node.add_argument("--node-id", required=True, help="this device's id ([A-Za-z0-9_-], also its MQTT username)")
     node.add_argument("--speed", type=float, help="emulate a device of this CPU speed (1 = one full core)")
-    node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     node.add_argument("--address", help="address other nodes reach this one at (default: the one facing the broker)")
     node.add_argument("--threads", type=int, default=1, help="torch threads for training")
     node.add_argument("--workdir", type=Path, help="scratch space (default ~/.cache/xronos/nodes/<id>)")
     node.add_argument("--heartbeat-seconds", type=float, default=2.0)
-    node.add_argument("--verbose", action="store_true")
     node.set_defaults(func=cmd_node)
 
     train = sub.add_parser("train", help="trigger a training job by MQTT command")

@@ -17,15 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from edge_node.worker_process import free_port
 from xronos.errors import XronosError
 
 ACL_FILE = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto" / "acl"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Mosquitto:
@@ -40,7 +35,7 @@ class Mosquitto:
             raise XronosError("mosquitto is not installed (apt-get install --no-install-recommends mosquitto)")
         self.dir = Path(tempfile.mkdtemp(prefix="xronos-mosquitto-"))
         self.users, self.acl = users, acl if users else None
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"mqtt://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
