@@ -16,10 +16,9 @@ import tempfile
 from pathlib import Path
 
 from edge_node.launcher import run_local
-from edge_node.toy_model import make_data, make_model
+from edge_node.toy_model import SMOL_SHAPES, make_data, make_model
 from xronos.job import JobOptions
 
-SMOL_SHAPES = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, tie=True)
 
 
 def main() -> None:

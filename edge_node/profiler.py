@@ -49,21 +49,32 @@ periods) a short run can fall inside one period's allowance and look full-speed,
 window spans many periods; of two windows the less disturbed one counts."""
 
 
-def _mean_seconds(run, min_reps: int = 2) -> float:
-    """Mean wall time of `run()` after one warm-up, the best of WINDOWS windows."""
-    run()
-    best = float("inf")
+def _window_seconds(run) -> float:
+    """Mean wall time of `run()` over one window of at least WINDOW_SECONDS."""
+    reps, start = 0, time.perf_counter()
+    while reps < 1 or time.perf_counter() - start < WINDOW_SECONDS:
+        run()
+        reps += 1
+    return (time.perf_counter() - start) / reps
+
+
+def _best_seconds(runs: dict[str, object]) -> dict[str, float]:
+    """Each `run()`'s mean wall time after one warm-up: the best of WINDOWS windows.
+
+    The windows take turns across the runs (a, b, c, a, b, c), so a disturbance
+    (another process, a hypervisor steal) spoils one window of one run, not both.
+    """
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, float("inf"))
     for _ in range(WINDOWS):
-        reps, start = 0, time.perf_counter()
-        while reps < min_reps or time.perf_counter() - start < WINDOW_SECONDS:
-            run()
-            reps += 1
-        best = min(best, (time.perf_counter() - start) / reps)
+        for name, run in runs.items():
+            best[name] = min(best[name], _window_seconds(run))
     return best
 
 
-def _time_component(forward, params: list[torch.Tensor]) -> float:
-    """Mean seconds of forward + backward + AdamW update of one component, in isolation."""
+def _training_step(forward, params: list[torch.Tensor]):
+    """forward + backward + AdamW update of one component, in isolation."""
     opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
 
     def step():
@@ -71,30 +82,37 @@ def _time_component(forward, params: list[torch.Tensor]) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _mean_seconds(step)
+    return step
 
 
-def _allreduce_seconds(nbytes: int) -> float:
-    """This device's share of an all-reduce of `nbytes`: send + receive ~2x the payload, and add it."""
-    a, b = socket.socketpair()
-    payload = bytes(2 * nbytes)
-    buf = bytearray(2 * nbytes)
-    x, y = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+class _Exchange:
+    """This device's share of an all-reduce of `nbytes`: send + receive ~2x the payload, and add it.
 
-    def exchange():
-        sender = threading.Thread(target=a.sendall, args=(payload,))
+    A loopback socket pair, so the cost measured is the device's CPU moving the bytes
+    (what it pays in every collective), not a network's.
+    """
+
+    def __init__(self, nbytes: int):
+        self.a, self.b = socket.socketpair()
+        self.payload = bytes(2 * nbytes)
+        self.buf = bytearray(2 * nbytes)
+        self.x, self.y = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+
+    def __call__(self) -> None:
+        sender = threading.Thread(target=self.a.sendall, args=(self.payload,))
         sender.start()
-        view, got = memoryview(buf), 0
-        while got < len(buf):
-            got += b.recv_into(view[got:])
-        x.add_(y)
+        view, got = memoryview(self.buf), 0
+        while got < len(self.buf):
+            got += self.b.recv_into(view[got:])
+        self.x.add_(self.y)
         sender.join()
 
-    try:
-        return _mean_seconds(exchange)
-    finally:
-        a.close()
-        b.close()
+    def __enter__(self) -> "_Exchange":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.a.close()
+        self.b.close()
 
 
 def available_memory_bytes() -> int:
@@ -111,9 +129,13 @@ def available_memory_bytes() -> int:
     return avail
 
 
+PROFILER_VERSION = 2
+"""Part of the cache key: a profile measured by another version of this code is measured anew."""
+
+
 def _cache_path(shape: ProfileShape, device: str, speed_hint: float | None) -> Path:
     root = Path(os.environ.get("XRONOS_PROFILE_CACHE", Path.home() / ".cache" / "xronos" / "profiles"))
-    key = json.dumps([shape.model_dump(), device, speed_hint, torch.__version__], sort_keys=True)
+    key = json.dumps([shape.model_dump(), device, speed_hint, torch.__version__, PROFILER_VERSION], sort_keys=True)
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -144,11 +166,12 @@ def profile_device(
     started = time.perf_counter()
     torch.manual_seed(0)
     # Each component is timed on its own at a realistic share (half the KV groups, a quarter
-    # of the MLP columns and of the vocabulary), not as differences of whole-model timings:
+    # of the MLP columns, a sixteenth of the vocabulary: the LM head is large enough that a
+    # sixteenth is still one big matmul), not as differences of whole-model timings:
     # differences of noisy totals under a CPU quota are mostly noise.
     groups = max(1, dims.num_kv_heads // 2)
     mlp_blocks = max(1, dims.intermediate_size // dims.mlp_block // 4)
-    vocab_blocks = max(1, dims.vocab_size // dims.vocab_block // 4)
+    vocab_blocks = max(1, dims.vocab_size // dims.vocab_block // 16)
     model = _variant(config, dims, 1, groups, mlp_blocks * dims.mlp_block, 8)
     layer = model.model.layers[0]
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
@@ -156,27 +179,31 @@ def profile_device(
     mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
                               position_ids=position_ids)
     rope = model.model.rotary_emb(h, position_ids=position_ids)
-    attention = _time_component(
-        lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
-        list(layer.self_attn.parameters()),
-    )
-    mlp = _time_component(lambda: layer.mlp(h), list(layer.mlp.parameters()))
-    norms = _time_component(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h,
-                            [layer.input_layernorm.weight, layer.post_attention_layernorm.weight])
     # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows.
     head = torch.nn.Parameter(torch.randn(vocab_blocks * dims.vocab_block, dims.hidden_size) * 0.02)
     embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
     ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
-    vocab = _time_component(
-        lambda: causal_lm_loss(torch.nn.functional.linear(torch.nn.functional.embedding(ids, embed) + h, head), ids, 0),
-        list({id(p): p for p in (head, embed)}.values()),
-    )
-
-    per_group, per_mlp, per_vocab = attention / groups, mlp / mlp_blocks, vocab / vocab_blocks
-    layer_fixed, step_fixed = norms, norms / 2  # the final norm; the embedding lookup is cheap
-
     payload = micro_batch * seq_len * dims.hidden_size * 4
-    small, large = _allreduce_seconds(payload // 16), _allreduce_seconds(payload)
+    with _Exchange(payload // 16) as small_exchange, _Exchange(payload) as large_exchange:
+        seconds = _best_seconds({
+            "attention": _training_step(
+                lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
+                list(layer.self_attn.parameters())),
+            "mlp": _training_step(lambda: layer.mlp(h), list(layer.mlp.parameters())),
+            "norms": _training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h,
+                                    [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]),
+            "vocab": _training_step(
+                lambda: causal_lm_loss(torch.nn.functional.linear(torch.nn.functional.embedding(ids, embed) + h, head),
+                                       ids, 0),
+                list({id(p): p for p in (head, embed)}.values())),
+            "small": small_exchange,
+            "large": large_exchange,
+        })
+
+    per_group, per_mlp = seconds["attention"] / groups, seconds["mlp"] / mlp_blocks
+    per_vocab = seconds["vocab"] / vocab_blocks
+    layer_fixed, step_fixed = seconds["norms"], seconds["norms"] / 2  # the final norm; the embedding lookup is cheap
+    small, large = seconds["small"], seconds["large"]
     per_mib = max(0.0, (large - small) / ((payload - payload // 16) / 2**20))
     latency = max(0.0, small - per_mib * payload / 16 / 2**20)
 

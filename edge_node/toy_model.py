@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+SMOL_SHAPES = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, tie=True)
+"""`make_model` keyword arguments for SmolLM2-135M's layer shapes (the benchmarks' model, any depth)."""
+
 
 def make_model(
     directory: str | Path,

@@ -29,12 +29,15 @@ from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
-from xronos.report import RankResult
+from xronos.report import WARMUP_STEPS, RankResult
 from xronos.splits import ModelDims, ShardSplit
 
 KEEP_CHECKPOINTS = 2
-MAX_REPLANS = 3
-"""Mode xronos re-plans every `replan_after` timed steps until the split settles, at most this often."""
+MAX_RESHARDS, MAX_REPLAN_CHECKS = 3, 8
+"""Mode xronos checks its split against the measured pace every `replan_after` timed steps, at
+most MAX_REPLAN_CHECKS times, and re-shards at most MAX_RESHARDS times. A check that keeps the
+split still recalibrates the profiles, so later checks start from a pace closer to the measured one
+(the first timed steps after a start or a re-shard are the noisiest)."""
 
 
 class WorkerSpec(BaseModel):
@@ -92,7 +95,7 @@ class Trainer:
         self.model = self.load_model(source, config)
         self.optimizer = self.make_optimizer()
         self.measure_from = 0
-        self.replans, self.replan_settled = 0, False
+        self.reshards, self.replan_checks = 0, 0
         self.rows = load_file(spec.rows_file)["input_ids"]
         self.start_step, self.losses = 0, []
         if resume_from is not None:
@@ -161,7 +164,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
                 bar.update()
             room = step + 2 < self.job.steps  # a re-shard needs a warm-up step and a timed one after it
-            if room and self.can_replan() and len(self.step_seconds) - self.timed_from() == self.job.replan_after:
+            timed = len(self.step_seconds) - self.timed_from()
+            if room and self.can_replan() and timed > 0 and timed % self.job.replan_after == 0:
                 self.replan()
             every = self.job.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < self.job.steps:
@@ -190,11 +194,12 @@ class Trainer:
     # -- re-planning from measured compute ------------------------------------------
     def can_replan(self) -> bool:
         return (self.job.mode == "xronos" and self.spec.profiles is not None and self.world > 1
-                and self.job.replan_after > 0 and self.replans < MAX_REPLANS and not self.replan_settled)
+                and self.job.replan_after > 0 and self.reshards < MAX_RESHARDS
+                and self.replan_checks < MAX_REPLAN_CHECKS)
 
     def timed_from(self) -> int:
         """The first step of the current split that counts for timing (not a warm-up)."""
-        return self.measure_from if self.measure_from else 1
+        return self.measure_from if self.measure_from else WARMUP_STEPS
 
     def replan(self) -> None:
         """Re-size every shard from the compute each rank really measured, then re-shard in place.
@@ -205,7 +210,7 @@ class Trainer:
         """
         from controller.partitioner import replan
 
-        self.replans += 1
+        self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
         mine = sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / len(timed) / self.job.grad_accum
         measured = [torch.zeros(1) for _ in range(self.world)]
@@ -218,8 +223,8 @@ class Trainer:
         new_split, calibrated = box[0]
         self.spec = self.spec.model_copy(update={"profiles": calibrated})
         if new_split == self.spec.split:
-            self.replan_settled = True  # the measured pace agrees with the split: no more re-plans
             return
+        self.reshards += 1
         self.measure_from = len(self.step_seconds) + 1  # the first step after a re-shard warms up again
         staging = self.output / ".replan"
         adam_step = float(self.optimizer.state[next(iter(self.model.parameters()))]["step"])

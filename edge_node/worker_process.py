@@ -22,6 +22,19 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 
+HEAP_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+    "MALLOC_TOP_PAD_": str(1 << 28),
+}
+"""glibc malloc settings for a training worker. By default glibc serves every
+block over 32 MiB (the LM head's logits, the MLP's activations) with a fresh
+mmap and returns it on free, so each step page-faults and zeroes hundreds of MB
+anew: kernel time charged to the device's CPU share, the same on every device
+whatever its shard. Keeping the blocks in a heap that is never trimmed makes a
+step ~20% faster on these shapes (peak RSS ~25% higher). A value already in
+the environment wins; XRONOS_KEEP_HEAP=0 leaves glibc's defaults."""
+
 
 def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -37,7 +50,8 @@ class WorkerProcess:
     """A worker process with its stderr teed to a log file (and, for rank 0, the terminal)."""
 
     def __init__(self, device: int, spec_file: Path, log_file: Path, echo: bool, threads: int, loopback: bool = True):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        heap = HEAP_ENV if os.environ.get("XRONOS_KEEP_HEAP", "1") != "0" else {}
+        env = {**heap, **os.environ, "OMP_NUM_THREADS": str(threads)}
         if loopback:  # gloo would otherwise pick the interface of the host name, which may not reach a peer here
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.device = device

@@ -97,3 +97,19 @@ def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_pat
     assert "Traceback" not in err.split("xronos: error:")[-1]
     time.sleep(0.5)
     assert not any(_alive(p) for p in workers), "orphan worker processes left behind"
+
+
+def test_bench_refuses_pp_micro_batches_that_do_not_divide_the_batch(model_dir, data_file, tmp_path, capsys):
+    args = ["bench", "--model", str(model_dir("mha_untied")), "--data", str(data_file), "--output", str(tmp_path),
+            "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--modes", "pp,tp", "--pp-micro-batches", "2,3"]
+    code, err = run_cli(args, capsys)
+    assert code == 2 and err == ["xronos: error: --pp-micro-batches 3 does not divide --batch-size 4"]
+
+
+def test_bench_runs_pp_once_per_micro_batch_count():
+    from xronos.bench import bench_runs
+
+    assert bench_runs(["xronos", "pp", "tp"], [2, 4]) == [
+        ("xronos", "xronos", None), ("pp m=2", "pp", 2), ("pp m=4", "pp", 4), ("tp", "tp", None)]
+    assert bench_runs(["pp"], [2]) == [("pp", "pp", 2)]
+    assert bench_runs(["pp", "single"], None) == [("pp", "pp", None), ("single", "single", None)]

@@ -30,22 +30,39 @@ class BenchResult(BaseModel):
     reports: dict[str, RunReport]
 
 
+def bench_runs(modes: list[str], pp_micro_batches: list[int] | None) -> list[tuple[str, str, int | None]]:
+    """(label, mode, micro-batches) of each run: `pp` once per micro-batch count asked for.
+
+    PP's best micro-batch count is a trade the profiles cannot see (more micro-batches
+    shrink the bubble but make every matmul and message smaller), so the bench tunes it
+    the direct way: by running each.
+    """
+    runs = []
+    for mode in modes:
+        if mode == "pp" and pp_micro_batches and len(pp_micro_batches) > 1:
+            runs += [(f"pp m={m}", mode, m) for m in pp_micro_batches]
+        else:
+            runs.append((mode, mode, pp_micro_batches[0] if mode == "pp" and pp_micro_batches else None))
+    return runs
+
+
 def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data: str | None, eval_rows: int,
-              show_progress: bool = True) -> BenchResult:
+              show_progress: bool = True, pp_micro_batches: list[int] | None = None) -> BenchResult:
     eval_set = None
     if eval_data:
         dims = ModelDims.from_config(load_config(base.model))
         eval_set = load_rows(eval_data, base.seq_len, base.model, dims.vocab_size)[:eval_rows]
     before = perplexity(base.model, eval_set) if eval_set is not None else None
     reports, after = {}, {}
-    for mode in modes:
-        out = Path(base.output) / mode
-        job = base.model_copy(update={"mode": mode, "output": str(out)})
+    for label, mode, micro_batches in bench_runs(modes, pp_micro_batches):
+        out = Path(base.output) / label.replace(" ", "_").replace("=", "")
+        job = base.model_copy(update={"mode": mode, "output": str(out),
+                                      "micro_batches": micro_batches or base.micro_batches})
         nodes, node_speeds = (1, [1.0]) if mode == "single" else (len(speeds), speeds)
-        print(f"bench: {mode} on {nodes} device(s) at speeds {node_speeds}", flush=True)
-        reports[mode] = run_local(job, nodes, node_speeds, show_progress=show_progress)
+        print(f"bench: {label} on {nodes} device(s) at speeds {node_speeds}", flush=True)
+        reports[label] = run_local(job, nodes, node_speeds, show_progress=show_progress)
         if eval_set is not None:
-            after[mode] = perplexity(out, eval_set)
+            after[label] = perplexity(out, eval_set)
     return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports)
 
 
@@ -79,6 +96,10 @@ def print_bench(result: BenchResult) -> None:
         )
         left_out = "".join(f"  [{e.speed:g}] left out: {e.reason}" for e in r.excluded)
         print(f"{mode:<8} {per}{left_out}")
+    pps = {m: r for m, r in reports.items() if r.mode == "pp"}
+    if "xronos" in reports and pps:
+        best = min(pps, key=lambda m: pps[m].mean_step_seconds)
+        print(f"\nxronos / fastest pp ({best}): {reports['xronos'].mean_step_seconds / pps[best].mean_step_seconds:.2f}")
 
 
 def write_chart(result: BenchResult, path: str) -> None:

@@ -18,11 +18,18 @@ from xronos.errors import XronosError
 from xronos.job import MODES
 
 
-def _floats(text: str) -> list[float]:
+def _floats(text: str, kind=float) -> list[float]:
     try:
-        return [float(x) for x in text.split(",")]
+        return [kind(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _positive_ints(text: str) -> list[int]:
+    numbers = _floats(text, int)
+    if min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers, got {text!r}")
+    return numbers
 
 
 SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows", "layers": "layers"}
@@ -147,7 +154,11 @@ def cmd_bench(args) -> int:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {args.nodes}")
     args.mode = modes[0]
     base = _job_from_args(args)
-    result = run_bench(base, modes, speeds, args.eval_data, args.eval_rows, show_progress=not args.quiet)
+    bad = [m for m in args.pp_micro_batches or [] if base.batch_size % m]
+    if bad:
+        raise XronosError(f"--pp-micro-batches {bad[0]} does not divide --batch-size {base.batch_size}")
+    result = run_bench(base, modes, speeds, args.eval_data, args.eval_rows, show_progress=not args.quiet,
+                       pp_micro_batches=args.pp_micro_batches)
     print_bench(result)
     if args.json:
         save_json(result, args.json)
@@ -309,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--nodes", type=int, default=3)
     bench.add_argument("--speeds", type=_floats)
     bench.add_argument("--modes", default="xronos,tp,single", help="comma-separated modes to compare")
+    bench.add_argument("--pp-micro-batches", type=_positive_ints,
+                       help="pp: run once per micro-batch count listed (e.g. 1,2,4) and compare xronos with the fastest")
     bench.add_argument("--eval-data", help="held-out data (same format as --data) for perplexity before and after")
     bench.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate")
     bench.add_argument("--json", help="write every mode's report and the perplexities here")

@@ -3,8 +3,9 @@
 Idle time of a device in a step = (slowest device's compute time) - (its own
 compute time); compute time = the step's wall time on that device minus the
 time it spent inside collectives. Idle ratio = idle / step time, where the
-step time is the wall time of the slowest device. The first step (warm-up:
-allocations, first-touch of memory) is not measured when there are more.
+step time is the wall time of the slowest device. The first WARMUP_STEPS
+steps (allocations, first touch of memory, the heap growing to its working
+size) are not measured when there are more.
 """
 
 from __future__ import annotations
@@ -88,10 +89,15 @@ class RunReport(BaseModel):
     excluded: list[ExcludedDevice] = []
 
 
+WARMUP_STEPS = 2
+"""Steps at the start of a job that are not timed. Measured here in every mode: the
+first step allocates (AdamW's moments too) and the second still runs ~1.5x a steady one."""
+
+
 def measured_range(n_steps: int, start: int = 0) -> range:
-    """Steps that count for timing: from `start`, and never the very first (warm-up) when there are more."""
-    start = max(start, 1 if n_steps > 1 else 0)
-    return range(min(start, n_steps - 1), n_steps)
+    """Steps that count for timing: from `start`, never the warm-up steps, and at least the last one."""
+    start = max(start, WARMUP_STEPS)
+    return range(max(0, min(start, n_steps - 1)), n_steps)
 
 
 def describe_layout(split: ShardSplit | None, stages: list[tuple[int, int]] | None) -> str:
