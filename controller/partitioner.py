@@ -340,7 +340,7 @@ def recalibrate(profile: DeviceProfile, factor: float) -> DeviceProfile:
     return profile.model_copy(update=scaled)
 
 
-MIN_REPLAN_GAIN = 0.05
+MIN_REPLAN_GAIN = 0.03
 """A re-plan re-shards only if it predicts at least this much shorter steps."""
 
 

@@ -90,6 +90,28 @@ class DutyCycleQuota:
             self._thread.join()
 
 
+def pack_cores(speeds: list[float], cores: int) -> list[set[int]] | None:
+    """The cores each emulated device may run on, so that no core carries more than one core's worth.
+
+    A real device has cores of its own; emulated ones share this machine's, and when the
+    scheduler puts the 1-core device beside the 0.5 one on the same core both run slower
+    than their quotas say, differently from run to run. First-fit decreasing packs the
+    speeds into the cores (speed 1 gets a core to itself). None when they do not fit
+    (or a device wants more than one core): then the scheduler places them.
+    """
+    if not speeds or max(speeds) > 1 or sum(speeds) > cores:
+        return None
+    load = [0.0] * cores
+    placed: list[set[int]] = [set() for _ in speeds]
+    for device in sorted(range(len(speeds)), key=lambda d: -speeds[d]):
+        core = next((c for c in range(cores) if load[c] + speeds[device] <= 1 + 1e-9), None)
+        if core is None:
+            return None
+        load[core] += speeds[device]
+        placed[device] = {core}
+    return placed
+
+
 def make_quota(name: str, speed: float) -> CgroupQuota | DutyCycleQuota:
     """The best available emulation of a device of `speed` cores."""
     if cgroup_quota_available():

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from controller.job_plan import plan_job, with_predictions
 from controller.planning import split_for_mode
-from edge_node.cpu_quota import make_quota
+from edge_node.cpu_quota import make_quota, pack_cores
 from edge_node.data import load_rows
 from edge_node.model_io import load_config
 from edge_node.profiler import available_memory_bytes
@@ -101,6 +101,8 @@ def run_local(
         save_file({"input_ids": rows}, run_dir / "rows.safetensors")
         port = free_port()
         memory = available_memory_bytes() // n_workers
+        throttled = None not in device_speeds
+        cpus = pack_cores(device_speeds, len(os.sched_getaffinity(0))) if throttled else None
         for device in range(n_workers):
             spec = WorkerSpec(
                 job=job, device=device, speed_hint=device_speeds[device], memory_bytes=memory,
@@ -114,7 +116,8 @@ def run_local(
             )
             spec_file = run_dir / f"spec-{device}.json"
             spec_file.write_text(spec.model_dump_json())
-            worker = WorkerProcess(device, spec_file, run_dir / f"device-{device}.log", echo=show_progress and device == 0, threads=threads)
+            worker = WorkerProcess(device, spec_file, run_dir / f"device-{device}.log", echo=show_progress and device == 0,
+                                   threads=threads, cpus=cpus[device] if cpus else None)
             worker.rank = None if profiled else device
             workers.append(worker)
             if device_speeds[device] is not None:

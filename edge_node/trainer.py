@@ -163,7 +163,7 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
                 bar.update()
-            room = step + 2 < self.job.steps  # a re-shard needs a warm-up step and a timed one after it
+            room = step + 2 < self.job.steps  # a re-shard needs steps after it (the last one is always timed)
             timed = len(self.step_seconds) - self.timed_from()
             if room and self.can_replan() and timed > 0 and timed % self.job.replan_after == 0:
                 self.replan()
@@ -225,7 +225,7 @@ class Trainer:
         if new_split == self.spec.split:
             return
         self.reshards += 1
-        self.measure_from = len(self.step_seconds) + 1  # the first step after a re-shard warms up again
+        self.measure_from = len(self.step_seconds) + WARMUP_STEPS  # after a re-shard the steps warm up again
         staging = self.output / ".replan"
         adam_step = float(self.optimizer.state[next(iter(self.model.parameters()))]["step"])
         self._save(staging, True, {"step": 0, "adam_step": adam_step, "losses": []})

@@ -49,7 +49,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class WorkerProcess:
     """A worker process with its stderr teed to a log file (and, for rank 0, the terminal)."""
 
-    def __init__(self, device: int, spec_file: Path, log_file: Path, echo: bool, threads: int, loopback: bool = True):
+    def __init__(self, device: int, spec_file: Path, log_file: Path, echo: bool, threads: int, loopback: bool = True,
+                 cpus: set[int] | None = None):
         heap = HEAP_ENV if os.environ.get("XRONOS_KEEP_HEAP", "1") != "0" else {}
         env = {**heap, **os.environ, "OMP_NUM_THREADS": str(threads)}
         if loopback:  # gloo would otherwise pick the interface of the host name, which may not reach a peer here
@@ -61,7 +62,7 @@ class WorkerProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=env,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent if cpus is None else lambda: (die_with_parent(), os.sched_setaffinity(0, cpus)),
         )
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._tee = threading.Thread(target=self._copy, args=(log_file, echo), daemon=True)

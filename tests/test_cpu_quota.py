@@ -41,3 +41,13 @@ def test_cgroup_quota_caps_a_busy_process():
 def test_duty_cycle_fallback_slows_a_busy_process():
     share = _measure(DutyCycleQuota("test", 0.3))
     assert 0.05 < share < 0.6
+
+
+def test_devices_are_packed_onto_cores_so_that_none_is_oversubscribed():
+    from edge_node.cpu_quota import pack_cores
+
+    assert pack_cores([1, 0.5, 0.25], 2) == [{0}, {1}, {1}]
+    assert pack_cores([0.43, 0.65, 0.52], 2) == [{1}, {0}, {1}]
+    assert pack_cores([0.6, 0.6, 0.6], 2) is None  # fits by sum, not by cores: the scheduler places them
+    assert pack_cores([1, 1, 0.5], 2) is None
+    assert pack_cores([1.5], 2) is None

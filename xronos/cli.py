@@ -69,8 +69,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--micro-batches", type=int, help="pp mode: micro-batches per step (default: --batch-size)")
     p.add_argument("--replan-after", type=int, default=2,
-                   help="xronos mode: re-plan from measured compute every this many timed steps until the split "
-                        "settles (at most 3 times; 0: never)")
+                   help="xronos mode: check the split against the measured compute every this many timed steps "
+                        "(re-shard for a predicted 3%% gain; at most 8 checks, 3 re-shards; 0: never)")
 
 
 def _job_from_args(args):
