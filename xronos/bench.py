@@ -10,6 +10,7 @@ each device's time goes (compute, communication, idle).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -60,6 +61,9 @@ def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data
                                       "micro_batches": micro_batches or base.micro_batches})
         nodes, node_speeds = (1, [1.0]) if mode == "single" else (len(speeds), speeds)
         print(f"bench: {label} on {nodes} device(s) at speeds {node_speeds}", flush=True)
+        # The previous run's model (hundreds of MB) is still dirty in the page cache; written back
+        # during this run, it would take CPU from this run's first steps. Every run starts clean.
+        os.sync()
         reports[label] = run_local(job, nodes, node_speeds, show_progress=show_progress)
         if eval_set is not None:
             after[label] = perplexity(out, eval_set)
