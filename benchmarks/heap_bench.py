@@ -2,8 +2,8 @@
 
 Runs `single` mode on one full core with SmolLM2's layer shapes, alternating
 the two settings (default, kept, default, kept, ...) so that the machine's
-drift hits both alike, and prints each run's mean step (all but the first
-two steps) and peak RSS, then the ratio of the means. Not a test: numbers,
+drift hits both alike, and prints each run's mean step (the report's
+measured steps: all but the warm-up) and peak RSS, then the ratio of the means. Not a test: numbers,
 to be quoted.
 
     python benchmarks/heap_bench.py --rounds 2 --steps 8
@@ -20,9 +20,6 @@ from pathlib import Path
 from edge_node.launcher import run_local
 from edge_node.toy_model import SMOL_SHAPES, make_data, make_model
 from xronos.job import JobOptions
-
-WARMUP_STEPS = 2
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,7 +42,7 @@ def main() -> None:
                 job = JobOptions(model=str(model), data=str(data), output=str(root / "out"), mode="single",
                                  steps=args.steps, batch_size=4, seq_len=128, lr=1e-4)
                 report = run_local(job, 1, [1.0], show_progress=False)
-                mean = statistics.mean(report.step_seconds[WARMUP_STEPS:])
+                mean = report.mean_step_seconds
                 steady[setting].append(mean)
                 rss = report.nodes[0].peak_rss_bytes / 2**30
                 print(f"round {round_ + 1} heap {setting:<7}: steps {[round(s, 2) for s in report.step_seconds]}"

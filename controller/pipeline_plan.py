@@ -17,7 +17,7 @@ import itertools
 from pydantic import BaseModel
 
 from xronos.errors import XronosError
-from xronos.profiles import DeviceProfile
+from xronos.profiles import DeviceProfile, layer_seconds
 from xronos.splits import ModelDims
 
 
@@ -30,12 +30,6 @@ class PipelinePlan(BaseModel):
     """Predicted compute of each stage per micro-batch."""
     micro_batches: int
     predicted_step_seconds: float
-
-
-def layer_seconds(p: DeviceProfile, dims: ModelDims) -> float:
-    """One whole decoder layer (all KV groups, all MLP blocks), one profiled micro-batch."""
-    mlp_blocks = dims.intermediate_size / dims.mlp_block
-    return p.layer_fixed_seconds + dims.num_kv_heads * p.kv_group_seconds + mlp_blocks * p.mlp_block_seconds
 
 
 def head_seconds(p: DeviceProfile, dims: ModelDims) -> float:

@@ -31,9 +31,9 @@ HEAP_ENV = {
 block over 32 MiB (the LM head's logits, the MLP's activations) with a fresh
 mmap and returns it on free, so each step page-faults and zeroes hundreds of MB
 anew: kernel time charged to the device's CPU share, the same on every device
-whatever its shard. Keeping the blocks in a heap that is never trimmed makes a
-step ~15% faster on SmolLM2's shapes (peak RSS ~20-30% higher; benchmarks/heap_bench.py). A value already in
-the environment wins; XRONOS_KEEP_HEAP=0 leaves glibc's defaults."""
+whatever its shard. Kept in a heap that is never trimmed, a step is ~15% shorter
+on SmolLM2's shapes, for ~20-30% more peak RSS (benchmarks/heap_bench.py). A
+value already in the environment wins; XRONOS_KEEP_HEAP=0 leaves glibc's defaults."""
 
 
 def die_with_parent() -> None:

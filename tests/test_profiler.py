@@ -12,6 +12,7 @@ from edge_node.model_io import load_config
 from edge_node.profiler import profile_device
 from edge_node.toy_model import make_data, make_model
 from xronos.job import JobOptions
+from xronos.report import WARMUP_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_predicted_device_step_within_20_percent_under_its_quota(speed, mid_mode
                          steps=8, batch_size=4, seq_len=64, lr=1e-4)
         report = run_local(job, 1, speeds=[speed], show_progress=False)
         assert report.predicted_step_seconds is not None
-        measured = statistics.median(report.step_seconds[1:])
+        measured = statistics.median(report.step_seconds[WARMUP_STEPS:])
         ratio = report.predicted_step_seconds / measured
         print(f"speed {speed}: predicted {report.predicted_step_seconds:.3f} s, measured {measured:.3f} s (median)")
         if 0.8 <= ratio <= 1.2:

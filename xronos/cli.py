@@ -18,7 +18,7 @@ from xronos.errors import XronosError
 from xronos.job import MODES
 
 
-def _floats(text: str, kind=float) -> list[float]:
+def _numbers(text: str, kind=float) -> list:
     try:
         return [kind(x) for x in text.split(",")]
     except ValueError:
@@ -26,7 +26,7 @@ def _floats(text: str, kind=float) -> list[float]:
 
 
 def _positive_ints(text: str) -> list[int]:
-    numbers = _floats(text, int)
+    numbers = _numbers(text, int)
     if min(numbers) < 1:
         raise argparse.ArgumentTypeError(f"expected positive whole numbers, got {text!r}")
     return numbers
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a whole job on this machine, one worker process per emulated device")
     _add_job_options(run)
     run.add_argument("--nodes", type=int, default=3, help="number of emulated devices")
-    run.add_argument("--speeds", type=_floats, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
+    run.add_argument("--speeds", type=_numbers, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
     run.add_argument("--mode", choices=MODES, default="xronos")
     run.add_argument("--split", type=parse_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)")
     run.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="the modes side by side on one emulated cluster (table, chart, perplexity)")
     _add_job_options(bench)
     bench.add_argument("--nodes", type=int, default=3)
-    bench.add_argument("--speeds", type=_floats)
+    bench.add_argument("--speeds", type=_numbers)
     bench.add_argument("--modes", default="xronos,tp,single", help="comma-separated modes to compare")
     bench.add_argument("--pp-micro-batches", type=_positive_ints,
                        help="pp: run once per micro-batch count listed (e.g. 1,2,4) and compare xronos with the fastest")
@@ -379,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="one command, one machine: a small job on 3 emulated devices, even vs speed-aware")
     demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")
     demo.add_argument("--steps", type=int, default=8)
-    demo.add_argument("--speeds", type=_floats, default=[1.0, 0.5, 0.25])
+    demo.add_argument("--speeds", type=_numbers, default=[1.0, 0.5, 0.25])
     demo.set_defaults(func=cmd_demo)
     return parser
 

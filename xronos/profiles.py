@@ -9,9 +9,12 @@ vocabulary has no layers). Travels as JSON (a profile file, an MQTT message).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
+
+from xronos.splits import ModelDims
 
 
 class ProfileShape(BaseModel):
@@ -55,8 +58,12 @@ sizes) at REFERENCE_BATCH x REFERENCE_SEQ tokens: a quick look at each device's 
 REFERENCE_BATCH, REFERENCE_SEQ = 1, 64
 
 
+def layer_seconds(p: DeviceProfile, dims: ModelDims) -> float:
+    """One whole decoder layer (all KV groups, all MLP blocks), one profiled micro-batch."""
+    mlp_blocks = dims.intermediate_size / dims.mlp_block
+    return p.layer_fixed_seconds + dims.num_kv_heads * p.kv_group_seconds + mlp_blocks * p.mlp_block_seconds
+
+
 def reference_layer_seconds(p: DeviceProfile) -> float:
     """Seconds of one whole reference layer (all KV groups and MLP columns) by a start-up profile."""
-    kv_groups = REFERENCE_CONFIG["num_key_value_heads"]
-    mlp_blocks = REFERENCE_CONFIG["intermediate_size"] / p.shape.mlp_block
-    return p.layer_fixed_seconds + kv_groups * p.kv_group_seconds + mlp_blocks * p.mlp_block_seconds
+    return layer_seconds(p, ModelDims.from_config(SimpleNamespace(**REFERENCE_CONFIG)))
