@@ -129,7 +129,12 @@ def available_memory_bytes() -> int:
     return avail
 
 
-PROFILER_VERSION = 2
+VOCAB_SAMPLE_ROWS = 3072
+"""The vocabulary share timed: a large LM head (SmolLM2's 49152 rows) is one big matmul well
+before a quarter of it, and timing a quarter would take most of the profile's time; a small
+one needs its quarter, or the loss's fixed work swamps the per-row cost."""
+
+PROFILER_VERSION = 3
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 
@@ -166,12 +171,12 @@ def profile_device(
     started = time.perf_counter()
     torch.manual_seed(0)
     # Each component is timed on its own at a realistic share (half the KV groups, a quarter
-    # of the MLP columns, a sixteenth of the vocabulary: the LM head is large enough that a
-    # sixteenth is still one big matmul), not as differences of whole-model timings:
-    # differences of noisy totals under a CPU quota are mostly noise.
+    # of the MLP columns and of the vocabulary, the vocabulary capped at VOCAB_SAMPLE_ROWS),
+    # not as differences of whole-model timings: differences of noisy totals under a CPU
+    # quota are mostly noise.
     groups = max(1, dims.num_kv_heads // 2)
     mlp_blocks = max(1, dims.intermediate_size // dims.mlp_block // 4)
-    vocab_blocks = max(1, dims.vocab_size // dims.vocab_block // 16)
+    vocab_blocks = max(1, min(dims.vocab_size // dims.vocab_block // 4, VOCAB_SAMPLE_ROWS // dims.vocab_block))
     model = _variant(config, dims, 1, groups, mlp_blocks * dims.mlp_block, 8)
     layer = model.model.layers[0]
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
