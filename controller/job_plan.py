@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from controller.partitioner import device_compute, plan_partition, step_seconds
+from controller.partitioner import device_compute, plan_partition, split_step_seconds
 from controller.pipeline_plan import plan_pipeline
 from controller.planning import even_split, split_for_mode
 from xronos.errors import XronosError
@@ -73,11 +73,10 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
     if job.mode == "single" and n != 1:
         raise XronosError(f"mode single trains on one device, not {n}")
     split = split_for_mode("single", dims, 1, None) if job.mode == "single" else even_split(dims, n)
-    shares = list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows))
     return JobPlan(
         ranks=list(range(n)), reasons=[None] * n, split=split,
-        predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, shares)],
-        predicted_step_seconds=step_seconds(profiles, dims, shares) * job.grad_accum,
+        predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, split.shares())],
+        predicted_step_seconds=split_step_seconds(profiles, dims, split) * job.grad_accum,
     )
 
 
@@ -89,10 +88,9 @@ def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: 
     update: dict = {"excluded": excluded, "predicted_step_seconds": plan.predicted_step_seconds}
     if report.split is not None and job.mode != "pp":
         members = [profiles[d] for d in plan.members]
-        shares = list(zip(report.split.kv_groups, report.split.mlp_columns, report.split.vocab_rows))
-        update["predicted_step_seconds"] = step_seconds(members, dims, shares) * job.grad_accum
+        update["predicted_step_seconds"] = split_step_seconds(members, dims, report.split) * job.grad_accum
         update["nodes"] = [
             n.model_copy(update={"predicted_compute_seconds": device_compute(p, dims, *s) * job.grad_accum})
-            for n, p, s in zip(report.nodes, members, shares)
+            for n, p, s in zip(report.nodes, members, report.split.shares())
         ]
     return report.model_copy(update=update)

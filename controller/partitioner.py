@@ -8,6 +8,11 @@ segment lasts as long as its slowest device:
     vocabulary segment (once):     max_i (step_fixed_i + v_i * vocab_i)
     step = L * (attention + MLP) + vocabulary + collectives
     collectives = n_allreduce * max over participants (latency_j + MiB * per_mib_j)
+                  * (1 + S * group MiB / activation MiB / n_allreduce)
+g_i counts KV groups, or a fraction of one: neighbouring ranks may share a
+group by rows of the micro-batch (see `xronos.splits`), at the price of one
+all-reduce per step of the S shared groups' gradients (costed like activation
+all-reduces of the same size, so it scales each device's collective cost).
 (Balancing only each device's total would let one device do all the
 attention while the others wait, then the reverse in the MLP.) Every
 participant takes part in every all-reduce at its own CPU speed, so the
@@ -26,8 +31,8 @@ check optimality on small cases.
 
 from __future__ import annotations
 
+import functools
 import heapq
-import itertools
 import time
 
 import numpy as np
@@ -50,6 +55,8 @@ class DeviceCost(BaseModel):
     device: str
     rank: int | None
     kv_groups: int
+    kv_rows: tuple[int, int] | None = None
+    """Rows of each micro-batch it computes its (shared) KV group for; None: all."""
     mlp_columns: int
     vocab_rows: int
     compute_seconds: float
@@ -86,6 +93,21 @@ def collective_seconds(p: DeviceProfile, dims: ModelDims) -> float:
     return allreduces_per_step(dims) * (p.allreduce_latency_seconds + mib * p.allreduce_seconds_per_mib)
 
 
+def group_mib(dims: ModelDims) -> float:
+    """One KV group's attention weights (q, k, v, o), all layers: what a shared group's gradient all-reduce moves."""
+    return dims.num_layers * 2 * (dims.heads_per_group + 1) * dims.head_dim * dims.hidden_size * 4 / 2**20
+
+
+def shared_grad_seconds(p: DeviceProfile, dims: ModelDims, groups: int) -> float:
+    """This device's cost for summing the gradients of `groups` row-shared KV groups (once per step).
+
+    Costed as that many MiB of activation all-reduces, so that it orders devices exactly
+    as `collective_seconds` does (the participant sets worth trying stay the closed ones).
+    """
+    mib = payload_mib(dims, p.shape.micro_batch, p.shape.seq_len)
+    return groups * group_mib(dims) / mib * collective_seconds(p, dims) / allreduces_per_step(dims)
+
+
 def unit_costs(p: DeviceProfile) -> tuple[float, float, float, float, float]:
     """(fixed per layer, per KV group per layer, per MLP block per layer, fixed per step, per vocabulary block)."""
     return p.layer_fixed_seconds, p.kv_group_seconds, p.mlp_block_seconds, p.step_fixed_seconds, p.vocab_block_seconds
@@ -107,11 +129,19 @@ def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: int, mlp_column
     return dims.num_layers * (attn + mlp) + vocab
 
 
-def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tuple[int, float, float]]) -> float:
-    """Predicted step of participants `profiles` holding `shares` (kv groups, MLP columns, vocabulary rows)."""
+def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tuple[float, float, float]],
+                 shared_groups: int = 0) -> float:
+    """Predicted step of participants `profiles` holding `shares` (kv groups, MLP columns, vocabulary rows),
+    with `shared_groups` KV groups shared by rows."""
     segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
     coll = max(collective_seconds(p, dims) for p in profiles) if len(profiles) > 1 else 0.0
+    coll += max(shared_grad_seconds(p, dims, shared_groups) for p in profiles)
     return dims.num_layers * (max(s[0] for s in segs) + max(s[1] for s in segs)) + max(s[2] for s in segs) + coll
+
+
+def split_step_seconds(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit) -> float:
+    """Predicted step of participants `profiles` (rank order) holding `split`."""
+    return step_seconds(profiles, dims, split.shares(), len(split.shared_kv_groups))
 
 
 def unit_bytes(dims: ModelDims, micro_batch: int, seq_len: int) -> tuple[float, float, float, float]:
@@ -140,13 +170,16 @@ def _units(dims: ModelDims) -> tuple[int, int, int]:
     return dims.num_kv_heads, dims.intermediate_size // dims.mlp_block, dims.vocab_size // dims.vocab_block
 
 
-def _to_split(dims: ModelDims, g: list[int], m: list[int], v: list[int]) -> ShardSplit:
-    """Blocks to sizes; a tail that is not a whole block goes to the device with the most blocks."""
+def _to_split(dims: ModelDims, g: list, m: list[int], v: list[int]) -> ShardSplit:
+    """Blocks to sizes; a tail that is not a whole block goes to the device with the most blocks.
+    `g`: attention shares (see `Share`), or plain KV group counts."""
+    g = [share if isinstance(share, tuple) else (share, None) for share in g]
     mlp = [b * dims.mlp_block for b in m]
     vocab = [b * dims.vocab_block for b in v]
     mlp[max(range(len(m)), key=lambda i: (m[i], -i))] += dims.intermediate_size - sum(mlp)
     vocab[max(range(len(v)), key=lambda i: (v[i], -i))] += dims.vocab_size - sum(vocab)
-    return ShardSplit(kv_groups=list(g), mlp_columns=mlp, vocab_rows=vocab).check(dims)
+    rows = [r for _, r in g] if any(r is not None for _, r in g) else None
+    return ShardSplit(kv_groups=[k for k, _ in g], kv_rows=rows, mlp_columns=mlp, vocab_rows=vocab).check(dims)
 
 
 # -- the solver ----------------------------------------------------------------------
@@ -199,7 +232,7 @@ def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int],
         return None
     x = np.round(res.x[: 3 * k]).astype(int).tolist()
     coll = max(collective_seconds(profiles[i], dims) for i in members) if k > 1 else 0.0
-    return res.fun + coll, coll, x[:k], x[k : 2 * k], x[2 * k :], res.status == 0
+    return res.fun + coll, coll, [(g, None) for g in x[:k]], x[k : 2 * k], x[2 * k :], res.status == 0
 
 
 def water_fill(floors: list[float], per_unit: list[float], units: int) -> tuple[float, list[int]]:
@@ -218,15 +251,96 @@ def water_fill(floors: list[float], per_unit: list[float], units: int) -> tuple[
     return max(floors[i] + per_unit[i] * take[i] for i in range(len(floors))), take
 
 
-def _solve_members(profiles, dims, members: list[int]):
-    """The best split among exactly `members` (no memory limits): each segment water-filled."""
+Share = tuple[int, tuple[int, int] | None]
+"""One rank's attention: (KV groups, None) or (1, (r0, r1)): rows r0..r1 of a shared group."""
+
+
+def attention_layout(floors: list[float], per_group: list[float], groups: int, rows: int, layers: int,
+                     share_seconds: float, bound: float = float("inf")) -> tuple[float, list[Share]]:
+    """The exact best attention split in rank order: whole groups, or rows of a shared group.
+
+    Minimises layers * (slowest rank's attention seconds) + share_seconds * (groups shared).
+    Rank i holding k groups takes floors[i] + k * per_group[i]; r of the `rows` rows of a group,
+    floors[i] + r / rows * per_group[i]. Dynamic programming over (rank, groups done, rows of
+    the open group taken), keeping for each state the Pareto front of (slowest seconds, shares);
+    every whole-group split is among the candidates (groups are interchangeable, so rank order
+    loses nothing for them). Moves slower than `bound` (a known solution's slowest rank) are
+    skipped: they cannot be part of a better one.
+    """
+    n = len(floors)
+
+    @functools.cache
+    def front(i: int, g: int, taken: int) -> tuple:
+        """[(slowest, shares, share of rank i, next state)] for ranks i.. from this state, Pareto-pruned."""
+        if i == n:
+            return ((0.0, 0, None, None),) if g == groups and taken == 0 else ()
+        moves = []
+        if taken == 0:
+            moves += [(k * per_group[i], (g + k, 0), 0, (k, None)) for k in range(groups - g + 1)]
+            if g < groups:
+                moves += [(r / rows * per_group[i], (g, r), 1, (1, (0, r))) for r in range(1, rows)]
+        else:
+            moves += [(r / rows * per_group[i], (g + 1, 0) if taken + r == rows else (g, taken + r), 0,
+                       (1, (taken, taken + r))) for r in range(1, rows - taken + 1)]
+        found = []
+        for work, state, new_share, share in moves:
+            mine = floors[i] + work
+            if mine > bound * (1 + 1e-12):
+                continue
+            for slowest, shares, _, _ in front(i + 1, *state):
+                found.append((max(mine, slowest), shares + new_share, share, (state, shares)))
+        found.sort(key=lambda e: (e[0], e[1]))
+        pruned = []
+        for entry in found:  # keep each entry that needs fewer shares than every faster one
+            if not pruned or entry[1] < pruned[-1][1]:
+                pruned.append(entry)
+        return tuple(pruned)
+
+    options = front(0, 0, 0)
+    if not options:
+        raise ValueError("no attention layout within the bound")
+    slowest, shares, _, _ = min(options, key=lambda e: (layers * e[0] + share_seconds * e[1], e[1]))
+    layout, state, want = [], (0, 0), shares
+    for i in range(n):
+        entry = next(e for e in front(i, *state) if e[1] == want and e[0] <= slowest * (1 + 1e-12))
+        layout.append(entry[2])
+        state, want = entry[3]
+    front.cache_clear()
+    return layers * slowest + share_seconds * shares, layout
+
+
+def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False):
+    """The best split among exactly `members` (no memory limits), for micro-batches of `rows` rows:
+    the MLP and vocabulary segments water-filled, the attention laid out by `attention_layout`
+    (or water-filled in whole groups, and then only a lower bound when `rows` > 1).
+    Returns (step, collectives, attention shares, MLP blocks, vocabulary blocks)."""
     G, MB, VB = _units(dims)
     c = [unit_costs(profiles[i]) for i in members]
-    ta, g = water_fill([x[0] / 2 for x in c], [x[1] for x in c], G)
+    floors, per_group = [x[0] / 2 for x in c], [x[1] for x in c]
+    ta, g = water_fill(floors, per_group, G)
     tm, m = water_fill([x[0] / 2 for x in c], [x[2] for x in c], MB)
     tv, v = water_fill([x[3] for x in c], [x[4] for x in c], VB)
     coll = max(collective_seconds(profiles[i], dims) for i in members) if len(members) > 1 else 0.0
-    return dims.num_layers * (ta + tm) + tv + coll, coll, g, m, v
+    rest = dims.num_layers * tm + tv + coll
+    if rows == 1 or len(members) == 1:
+        return dims.num_layers * ta + rest, coll, [(k, None) for k in g], m, v
+    if whole_groups:  # row shares can only go as low as the fractional water level
+        return dims.num_layers * _fractional_level(floors, per_group, G) + rest, coll, [(k, None) for k in g], m, v
+    share = max(shared_grad_seconds(profiles[i], dims, 1) for i in members)
+    attention, layout = attention_layout(floors, per_group, G, rows, dims.num_layers, share, bound=ta)
+    return attention + rest, coll, layout, m, v
+
+
+def _fractional_level(floors: list[float], per_unit: list[float], units: int) -> float:
+    """The water level if units could be split at will: a lower bound on any split's slowest device.
+
+    Every device pays its floor, so the level is at least the highest floor, and from there
+    each device fills at its own rate: level = (units + sum f/p) / sum 1/p, in closed form.
+    """
+    if any(p <= 0 for p in per_unit):
+        return max(floors)
+    level = (units + sum(f / p for f, p in zip(floors, per_unit))) / sum(1 / p for p in per_unit)
+    return max(max(floors), level)
 
 
 def _closed_sets(profiles, dims) -> list[list[int]]:
@@ -256,7 +370,7 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
 
 def _fits(profiles, dims, micro_batch, seq_len, members, g, m, v) -> bool:
     fixed, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len)
-    return all(fixed + g[k] * kv_b + m[k] * mlp_b + v[k] * vocab_b <= profiles[i].memory_bytes
+    return all(fixed + g[k][0] * kv_b + m[k] * mlp_b + v[k] * vocab_b <= profiles[i].memory_bytes
                for k, i in enumerate(members))
 
 
@@ -272,13 +386,17 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     n = len(profiles)
     best = None
     # the memory-free optimum of a set bounds its memory-bound one from below: solve the
-    # sets in order of that bound and stop once it cannot beat the best (branch and bound)
-    unbounded = sorted(((_solve_members(profiles, dims, members), members) for members in _closed_sets(profiles, dims)),
-                       key=lambda sm: sm[0][0])
+    # sets in order of a lower bound of that (fractional attention when groups may be
+    # shared by rows) and stop once it cannot beat the best (branch and bound)
+    bounds = sorted(((_solve_members(profiles, dims, members, micro_batch, whole_groups=True)[0], members)
+                     for members in _closed_sets(profiles, dims)), key=lambda bm: bm[0])
     optimal, started = True, time.perf_counter()
-    for (step, coll, g, m, v), members in unbounded:
-        if best is not None and step >= best[0] - 1e-12:
+    for lower, members in bounds:
+        if best is not None and lower >= best[0] - 1e-12:
             break
+        step, coll, g, m, v = _solve_members(profiles, dims, members, micro_batch)
+        if best is not None and step >= best[0] - 1e-12:
+            continue
         if not _fits(profiles, dims, micro_batch, seq_len, members, g, m, v):
             if best is not None and time.perf_counter() - started > PLAN_BUDGET_SECONDS:
                 optimal = False  # sets left untried
@@ -296,9 +414,9 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     if best is None:
         raise XronosError("no device, nor any group of devices, has the memory for this model at these shapes")
     step, coll, members, g, m, v = best
-    full = lambda part: [part[members.index(i)] if i in members else 0 for i in range(n)]  # noqa: E731
+    full = lambda part, none=0: [part[members.index(i)] if i in members else none for i in range(n)]  # noqa: E731
     y = [1 if i in members else 0 for i in range(n)]
-    plan = _explain(profiles, dims, micro_batch, seq_len, full(g), full(m), full(v), y, coll)
+    plan = _explain(profiles, dims, micro_batch, seq_len, full(g, (0, None)), full(m), full(v), y, coll)
     return plan if optimal else plan.model_copy(update={"optimal": False})
 
 
@@ -306,7 +424,7 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:
     members = [i for i in range(len(profiles)) if y[i]]
     split = _to_split(dims, [g[i] for i in members], [m[i] for i in members], [v[i] for i in members])
     fixed_bytes, kv_bytes, mlp_bytes, vocab_bytes = unit_bytes(dims, micro_batch, seq_len)
-    devices, shares = [], []
+    devices, shares = [], split.shares()
     for i, p in enumerate(profiles):
         if i not in members:
             if fixed_bytes + min(kv_bytes, mlp_bytes, vocab_bytes) > p.memory_bytes:
@@ -318,11 +436,12 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:
             continue
         rank = members.index(i)
         kv, mlp, vocab = split.kv_groups[rank], split.mlp_columns[rank], split.vocab_rows[rank]
-        shares.append((kv, mlp, vocab))
         memory = fixed_bytes + kv * kv_bytes + mlp / dims.mlp_block * mlp_bytes + vocab / dims.vocab_block * vocab_bytes
-        devices.append(DeviceCost(device=p.device, rank=rank, kv_groups=kv, mlp_columns=mlp, vocab_rows=vocab,
-                                  compute_seconds=device_compute(p, dims, kv, mlp, vocab), memory_bytes=int(memory)))
-    step = step_seconds([profiles[i] for i in members], dims, shares)
+        devices.append(DeviceCost(device=p.device, rank=rank, kv_groups=kv, 
+                                  kv_rows=split.kv_rows[rank] if split.kv_rows else None,
+                                  mlp_columns=mlp, vocab_rows=vocab, compute_seconds=device_compute(p, dims, *shares[rank]),
+                                  memory_bytes=int(memory)))
+    step = split_step_seconds([profiles[i] for i in members], dims, split)
     coll = coll if len(members) > 1 else 0.0
     return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step)
 
@@ -353,20 +472,20 @@ def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, me
     The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
     """
     factors = []
-    for r, p in enumerate(profiles):
-        predicted = device_compute(p, dims, split.kv_groups[r], split.mlp_columns[r], split.vocab_rows[r])
+    for p, share, seconds in zip(profiles, split.shares(), measured):
+        predicted = device_compute(p, dims, *share)
         # Half-way (geometric) towards the measurement: a device's pace depends on its share
         # (under a CPU quota, the less it waits the slower it computes), so a full correction overshoots.
-        factors.append((measured[r] / predicted) ** 0.5 if predicted > 0 and measured[r] > 0 else 1.0)
+        factors.append((seconds / predicted) ** 0.5 if predicted > 0 and seconds > 0 else 1.0)
     calibrated = [recalibrate(p, f) for p, f in zip(profiles, factors)]
     members = list(range(len(profiles)))
-    step, coll, g, m, v = _solve_members(calibrated, dims, members)
+    step, coll, g, m, v = _solve_members(calibrated, dims, members, micro_batch)
     if not _fits(calibrated, dims, micro_batch, seq_len, members, g, m, v):
         solved = _solve_with_memory(calibrated, dims, micro_batch, seq_len, members)
         if solved is None:
             return split, profiles
         step, _, g, m, v, _ = solved
-    current = step_seconds(calibrated, dims, list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows)))
+    current = split_step_seconds(calibrated, dims, split)
     if step > current * (1 - MIN_REPLAN_GAIN):  # not worth a re-shard (and measurement noise would drive it)
         return split, calibrated
     return _to_split(dims, g, m, v), calibrated

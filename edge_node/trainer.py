@@ -27,6 +27,8 @@ from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config
 from edge_node.tp.comm import CLOCK
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
+from edge_node.tp.shared_groups import sum_shared_grads
+from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
 from xronos.report import WARMUP_STEPS, RankResult
@@ -85,6 +87,10 @@ class Trainer:
                 rank=self.rank,
                 world_size=self.world,
             )
+        rows = spec.split.micro_batch_rows if spec.split is not None else None
+        if rows is not None and rows != self.job.batch_size // self.job.grad_accum:
+            raise XronosError(f"the split shares KV groups by rows of {rows}-row micro-batches, "
+                              f"but this job's micro-batches have {self.job.batch_size // self.job.grad_accum} rows")
         self.output = Path(self.job.output)
         resume_from = checkpoint.latest_checkpoint(self.output) if self.job.resume else None
         source = resume_from or Path(self.job.model)
@@ -142,6 +148,8 @@ class Trainer:
             loss = self.loss(micro) / job.grad_accum
             loss.backward()
             total += loss.item()
+        if self.tensor_parallel:
+            sum_shared_grads(self.model, self.spec.split, self.rank, self.shapes, self.dims)
         self.optimizer.step()
         return total
 

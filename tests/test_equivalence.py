@@ -2,7 +2,8 @@
 
 Real worker processes, real gloo collectives over loopback, real HF models
 saved and loaded with transformers. Splits are deliberately uneven, with
-ranks owning zero KV groups, zero MLP columns or zero vocabulary rows.
+ranks owning zero KV groups, zero MLP columns or zero vocabulary rows, and
+ranks sharing a KV group by rows of each micro-batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from edge_node.model_io import full_param_shapes, load_config
 from edge_node.tp.plan import param_slice
 from tests.conftest import SEQ_LEN
 from xronos.job import JobOptions
-from xronos.splits import ModelDims
+from xronos.splits import ModelDims, ShardSplit
 
 STEPS = 5
 
@@ -51,6 +52,14 @@ CASES = [
     ("gqa_tied", 1, "tp", None),
     ("qwen2_gqa", 3, "xronos", {"kv_groups": [0, 1, 1], "mlp_columns": [77, 0, 51], "vocab_rows": [1, 300, 19]}),
     ("mha_tied", 2, "xronos", {"kv_groups": [3, 1], "mlp_columns": [96, 0], "vocab_rows": [0, 320]}),
+    # KV groups shared by rows (micro-batches of 4 rows): the strong bench's layout, a shared first
+    # group before a whole one (q/k/v biases summed too), and a group shared three ways
+    ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 1], "mlp_columns": [96, 32, 32], "vocab_rows": [160, 100, 60],
+                               "kv_rows": [None, (0, 3), (3, 4)]}),
+    ("qwen2_gqa", 3, "xronos", {"kv_groups": [1, 1, 1], "mlp_columns": [64, 0, 64], "vocab_rows": [100, 120, 100],
+                                "kv_rows": [(0, 1), (1, 4), None]}),
+    ("mha_untied", 4, "xronos", {"kv_groups": [7, 1, 1, 1], "mlp_columns": [96, 32, 32, 32],
+                                 "vocab_rows": [80, 80, 80, 80], "kv_rows": [None, (0, 1), (1, 3), (3, 4)]}),
 ]
 
 
@@ -58,7 +67,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("name,nodes,mode,split", CASES, ids=[f"{c[0]}-{c[1]}r-{c[2]}" for c in CASES])
+@pytest.mark.parametrize("name,nodes,mode,split", CASES, ids=[f"{c[0]}-{c[1]}r-{c[2]}" + ("-rows" if c[3] and "kv_rows" in c[3] else "") for c in CASES])
 def test_tp_equals_single(name, nodes, mode, split, model_dir, data_file, single_runs, tmp_path):
     ref, ref_out = single_runs(name)
     out = tmp_path / "out"
@@ -66,7 +75,7 @@ def test_tp_equals_single(name, nodes, mode, split, model_dir, data_file, single
 
     assert report.world_size == nodes
     if split:
-        assert report.split.model_dump() == split
+        assert report.split == ShardSplit(**split)
     assert len(report.losses) == STEPS
     for step, (got, want) in enumerate(zip(report.losses, ref.losses)):
         assert _rel(got, want) < 1e-5, f"step {step}: {got} vs {want}"
@@ -88,7 +97,8 @@ def test_tp_equals_single(name, nodes, mode, split, model_dir, data_file, single
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in loaded.parameters()) == sum(t.numel() for t in theirs.values())
 
-    # Each rank holds only its shard: the bytes add up to the model plus the replicated norms.
+    # Each rank holds only its shard: the model plus the replicated norms, plus a copy of a
+    # shared KV group for every further rank that shares it.
     config = load_config(model_dir(name))
     dims = ModelDims.from_config(config)
     shapes = full_param_shapes(config)
@@ -96,7 +106,10 @@ def test_tp_equals_single(name, nodes, mode, split, model_dir, data_file, single
     assert all("norm" in n for n in replicated)
     full_bytes = sum(s.numel() * 4 for s in shapes.values())
     norm_bytes = sum(shapes[n].numel() * 4 for n in replicated)
-    assert sum(node.param_bytes for node in report.nodes) == full_bytes + (nodes - 1) * norm_bytes
+    group_bytes = sum(shapes[n].numel() * 4 // dims.num_kv_heads for n in shapes
+                      if ".self_attn." in n and n not in replicated)
+    copies = sum(rows is not None for _, rows in report.split.attention_shares()) - len(report.split.shared_kv_groups)
+    assert sum(node.param_bytes for node in report.nodes) == full_bytes + (nodes - 1) * norm_bytes + copies * group_bytes
 
 
 def test_grad_accumulation_matches_single(model_dir, data_file, single_runs, tmp_path):

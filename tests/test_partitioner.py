@@ -8,10 +8,19 @@ import random
 
 import pytest
 
-from controller.partitioner import plan_partition, step_seconds, unit_bytes
+from controller.partitioner import (
+    collective_seconds,
+    plan_partition,
+    recalibrate,
+    segments,
+    shared_grad_seconds,
+    step_seconds,
+    unit_bytes,
+)
 from xronos.cli import main
 from xronos.profiles import DeviceProfile, ProfileShape
-from xronos.splits import ModelDims
+from xronos.errors import XronosError
+from xronos.splits import ModelDims, ShardSplit
 
 # 2 KV groups, 16 MLP blocks of 1 column, 16 vocabulary blocks of 1 row.
 DIMS = ModelDims(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
@@ -63,6 +72,71 @@ def test_optimal_against_brute_force(seed):
     plan = plan_partition(profiles, DIMS, 2, 8)
     assert plan.predicted_step_seconds == pytest.approx(optimum, rel=1e-9)
     assert sum(plan.split.kv_groups) == 2 and sum(plan.split.mlp_columns) == 16
+
+
+def attention_options(groups, rows):
+    """Every share one rank can take: whole groups, or any rows of a group."""
+    return [(k, None) for k in range(groups + 1)] + [(1, (a, b)) for a in range(rows) for b in range(a + 1, rows + 1)]
+
+
+DIMS3 = DIMS.model_copy(update={"num_heads": 6, "num_kv_heads": 3})
+
+
+def brute_force_rows(profiles, rows):
+    """The best step over every subset and every layout of 3 KV groups with row shares (no memory limits).
+
+    The segments are independent given the subset: attention (with its shared-gradient cost)
+    over every valid layout, MLP and vocabulary over every integer split."""
+    best = float("inf")
+    for size in range(1, len(profiles) + 1):
+        for members in itertools.combinations(profiles, size):
+            attention = float("inf")
+            for layout in itertools.product(attention_options(3, rows), repeat=size):
+                try:
+                    split = ShardSplit(kv_groups=[k for k, _ in layout], kv_rows=[r for _, r in layout],
+                                       mlp_columns=[16] + [0] * (size - 1), vocab_rows=[16] + [0] * (size - 1)).check(DIMS3)
+                except (XronosError, ValueError):
+                    continue
+                shared = len(split.shared_kv_groups)
+                attn = max(segments(p, DIMS3, kv, 0, 0)[0] for p, (kv, _, _) in zip(members, split.shares()))
+                cost = max(shared_grad_seconds(p, DIMS3, shared) for p in members)
+                attention = min(attention, DIMS3.num_layers * attn + cost)
+            mlp = min(max(segments(p, DIMS3, 0, c, 0)[1] for p, c in zip(members, m)) for m in compositions(16, size))
+            vocab = min(max(segments(p, DIMS3, 0, 0, c)[2] for p, c in zip(members, v)) for v in compositions(16, size))
+            coll = max(collective_seconds(p, DIMS3) for p in members) if size > 1 else 0.0
+            best = min(best, attention + DIMS3.num_layers * mlp + vocab + coll)
+    return best
+
+
+def test_row_shared_attention_against_brute_force():
+    """Micro-batches of 3 rows, so 3 KV groups may be shared by rows: still the exact optimum.
+    Devices differ by one speed factor each, about 1, 2 and 4 as in the strong bench (row
+    shares pay off there, so about half the plans use them)."""
+    used = 0
+    for seed in range(16):
+        rng = random.Random(100 + seed)
+        base = profile(0, rng).model_copy(update={"allreduce_seconds_per_mib": 0.1, "allreduce_latency_seconds": 1e-3})
+        factors = [1, rng.uniform(1.5, 2.5), rng.uniform(3, 5)][: 2 if seed % 4 == 0 else 3]
+        profiles = [recalibrate(base, f).model_copy(update={"device": f"d{i}"}) for i, f in enumerate(factors)]
+        plan = plan_partition(profiles, DIMS3, 3, 8)
+        assert plan.predicted_step_seconds == pytest.approx(brute_force_rows(profiles, 3), rel=1e-9), seed
+        used += plan.split.kv_rows is not None
+    assert used >= 4
+
+
+def test_row_shares_are_used_when_they_pay():
+    """Three groups among devices of speeds 1, 1/2, 1/4 (the strong bench): the slowest shares a group by rows."""
+    dims = DIMS.model_copy(update={"num_heads": 6, "num_kv_heads": 3})
+    profiles = [DeviceProfile(device=f"d{i}", shape=SHAPE, kv_group_seconds=0.02 * slow, mlp_block_seconds=0.005 * slow,
+                              vocab_block_seconds=0.008 * slow, layer_fixed_seconds=0.01 * slow,
+                              step_fixed_seconds=0.005 * slow, allreduce_latency_seconds=1e-4 * slow,
+                              allreduce_seconds_per_mib=1e-3 * slow, memory_bytes=1 << 40)
+                for i, slow in enumerate([1, 2, 4])]
+    whole = plan_partition(profiles, dims, 1, 8)
+    shared = plan_partition(profiles, dims, 4, 8)
+    assert whole.split.kv_rows is None and whole.split.kv_groups[2] == 0
+    assert shared.split.kv_rows is not None and shared.devices[2].kv_rows is not None
+    assert shared.predicted_step_seconds < whole.predicted_step_seconds
 
 
 def test_a_device_that_costs_more_than_it_brings_is_left_out():

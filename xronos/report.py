@@ -63,6 +63,8 @@ class NodeReport(BaseModel):
     speed: float | None
     layers: tuple[int, int] | None = None
     kv_groups: int
+    kv_rows: tuple[int, int] | None = None
+    """Rows of each micro-batch this rank computes its KV group for, when ranks share the group."""
     mlp_columns: int
     vocab_rows: int
     compute_seconds: float
@@ -134,6 +136,7 @@ def build_report(
     results = sorted(results, key=lambda r: r.rank)
     if results[0].split is not None:  # the split the job ended with (a re-plan may have changed it)
         split = results[0].split
+    kv_rows = (split.kv_rows if split is not None else None) or [None] * len(results)
     if split is not None:
         shares = list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows))
     else:
@@ -155,6 +158,7 @@ def build_report(
                 predicted_compute_seconds=predicted[r.rank] if predicted else None,
                 layers=stages[r.rank] if stages else None,
                 kv_groups=shares[r.rank][0],
+                kv_rows=kv_rows[r.rank],
                 mlp_columns=shares[r.rank][1],
                 vocab_rows=shares[r.rank][2],
                 compute_seconds=sum(c[k] for k in steps),

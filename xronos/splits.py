@@ -6,6 +6,14 @@ KV groups [sum(kv_groups[:r]), sum(kv_groups[:r+1])), and likewise for MLP
 intermediate columns and vocabulary rows. Zeros are allowed anywhere; the only
 rule is that every dimension sums to the model's size, checked in one place
 (`ShardSplit.check`).
+
+Attention can be split finer than whole KV groups: with `kv_rows`, neighbouring
+ranks share one KV group, each computing it for its own rows of every
+micro-batch (attention is independent per sequence). Three KV groups among
+three devices of speeds 1, 0.5 and 0.25 are otherwise 2/1/0 at best, and the
+slowest device waits through every attention segment; as 2/1[0:3]/1[3:4]
+the 0.5 and 0.25 devices share the third group 3 rows to 1. Ranks that
+share a group hold its weights alike and sum their gradients of them.
 """
 
 from __future__ import annotations
@@ -20,6 +28,11 @@ from xronos.errors import XronosError
 def _block(total: int, preferred: int) -> int:
     """`preferred`, unless that leaves fewer than 16 blocks: planning needs some resolution."""
     return preferred if total >= 16 * preferred else max(1, total // 16)
+
+
+def kv_label(groups: int, rows: tuple[int, int] | None) -> str:
+    """'2' (two whole KV groups) or '1[0:3]' (rows 0..3 of every micro-batch, of one shared group)."""
+    return f"{groups}" if rows is None else f"{groups}[{rows[0]}:{rows[1]}]"
 
 
 class ModelDims(BaseModel):
@@ -81,10 +94,15 @@ class ShardSplit(BaseModel):
     kv_groups: list[NonNegativeInt]
     mlp_columns: list[NonNegativeInt]
     vocab_rows: list[NonNegativeInt]
+    kv_rows: list[tuple[NonNegativeInt, NonNegativeInt] | None] | None = None
+    """Per rank, None (its KV groups for every row), or [r0, r1): the micro-batch rows it computes
+    its one KV group for, which consecutive ranks share until the last row (see the module doc)."""
 
     @model_validator(mode="after")
     def _same_world(self) -> "ShardSplit":
         sizes = {len(self.kv_groups), len(self.mlp_columns), len(self.vocab_rows)}
+        if self.kv_rows is not None:
+            sizes.add(len(self.kv_rows))
         if len(sizes) != 1 or 0 in sizes:
             raise ValueError(
                 "kv_groups, mlp_columns and vocab_rows must list one entry per rank "
@@ -96,10 +114,61 @@ class ShardSplit(BaseModel):
     def world_size(self) -> int:
         return len(self.kv_groups)
 
+    @property
+    def micro_batch_rows(self) -> int | None:
+        """The micro-batch size a row-shared split was made for (None: any)."""
+        ends = [rows[1] for rows in self.kv_rows or () if rows is not None]
+        return max(ends) if ends else None
+
+    def attention_shares(self) -> list[tuple[tuple[int, int], tuple[int, int] | None]]:
+        """Per rank: its KV groups [g0, g1), and its rows [r0, r1) of them (None = all rows).
+
+        Raises XronosError for row shares that do not tile their group's rows in rank order.
+        """
+        shares, pos, open_end = [], 0, 0
+        last = self.micro_batch_rows
+        for r in range(self.world_size):
+            rows = self.kv_rows[r] if self.kv_rows else None
+            if rows is None:
+                if open_end:
+                    raise XronosError(f"rank {r} takes whole KV groups before group {pos}'s rows are all taken")
+                shares.append(((pos, pos + self.kv_groups[r]), None))
+                pos += self.kv_groups[r]
+                continue
+            r0, r1 = rows
+            if self.kv_groups[r] != 1 or r0 != open_end or r1 <= r0:
+                raise XronosError(
+                    f"rank {r}'s rows {r0}:{r1} must be one KV group's next rows (from row {open_end})")
+            shares.append(((pos, pos + 1), (r0, r1)))
+            open_end = 0 if r1 == last else r1
+            pos += 1 if r1 == last else 0
+        if open_end:
+            raise XronosError(f"KV group {pos}'s rows end at {open_end}, not at {last}")
+        return shares
+
+    @property
+    def shared_kv_groups(self) -> list[int]:
+        """KV groups computed by row shares, in order."""
+        return sorted({g for (g, _), rows in self.attention_shares() if rows is not None})
+
+    def shares(self) -> list[tuple[float, int, int]]:
+        """Per rank (KV groups' worth of attention work, MLP columns, vocabulary rows):
+        a row share counts as its fraction of a group's rows."""
+        last = self.micro_batch_rows
+        kv = [g if rows is None else (rows[1] - rows[0]) / last for g, rows in
+              zip(self.kv_groups, self.kv_rows or [None] * self.world_size)]
+        return list(zip(kv, self.mlp_columns, self.vocab_rows))
+
+    @property
+    def kv_group_total(self) -> int:
+        """Distinct KV groups covered (a group shared by rows counts once)."""
+        shares = self.attention_shares()
+        return shares[-1][0][1] if shares else 0
+
     def check(self, dims: ModelDims) -> "ShardSplit":
         """Raise a readable XronosError unless every dimension sums to the model's size."""
         for name, parts, total in (
-            ("kv_groups", self.kv_groups, dims.num_kv_heads),
+            ("kv_groups", self.kv_groups if self.kv_rows is None else [self.kv_group_total], dims.num_kv_heads),
             ("mlp_columns", self.mlp_columns, dims.intermediate_size),
             ("vocab_rows", self.vocab_rows, dims.vocab_size),
         ):
@@ -110,13 +179,17 @@ class ShardSplit(BaseModel):
 
     def interval(self, dim: str, rank: int) -> tuple[int, int]:
         """Half-open [start, stop) of `dim` ('kv_groups', 'mlp_columns', 'vocab_rows') owned by `rank`."""
+        if dim == "kv_groups" and self.kv_rows is not None:
+            return self.attention_shares()[rank][0]
         parts = getattr(self, dim)
         ends = list(accumulate(parts))
         return ends[rank] - parts[rank], ends[rank]
 
     def describe(self) -> str:
-        """One line for terminals: kv 5/2/1 · mlp 128/64/0 · vocab ..."""
+        """One line for terminals: kv 2/1[0:3]/1[3:4] · mlp 128/64/0 · vocab ... ([r0:r1]: rows of a shared group)."""
+        rows = self.kv_rows or [None] * self.world_size
+        kv = [kv_label(g, r) for g, r in zip(self.kv_groups, rows)]
         return " · ".join(
             f"{label} {'/'.join(map(str, parts))}"
-            for label, parts in (("kv", self.kv_groups), ("mlp", self.mlp_columns), ("vocab", self.vocab_rows))
+            for label, parts in (("kv", kv), ("mlp", self.mlp_columns), ("vocab", self.vocab_rows))
         )

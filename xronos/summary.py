@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from xronos.report import RunReport, describe_layout
+from xronos.splits import kv_label
 
 
 def _mib(n: int) -> str:
@@ -16,11 +17,11 @@ def print_report(report: RunReport) -> None:
         f"over {report.measured_steps} measured steps, idle ratio {report.idle_ratio:.1%}"
     )
     named = any(n.name for n in report.nodes)
-    print(f"{'node':<12} " * named + f"{'rank':>4} {'speed':>5} {'kv':>3} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'comm s':>7} {'idle s':>7} {'idle':>6} {'params MiB':>10} {'peak RSS MiB':>12}")
+    print(f"{'node':<12} " * named + f"{'rank':>4} {'speed':>5} {'kv':>6} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'comm s':>7} {'idle s':>7} {'idle':>6} {'params MiB':>10} {'peak RSS MiB':>12}")
     for n in report.nodes:
         speed = "-" if n.speed is None else f"{n.speed:g}"
         print(
-            f"{n.name or '-':<12} " * named + f"{n.rank:>4} {speed:>5} {n.kv_groups:>3} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
+            f"{n.name or '-':<12} " * named + f"{n.rank:>4} {speed:>5} {kv_label(n.kv_groups, n.kv_rows):>6} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
             f"{n.comm_seconds:>7.2f} {n.idle_seconds:>7.2f} {n.idle_ratio:>6.1%} {_mib(n.param_bytes):>10} {_mib(n.peak_rss_bytes):>12}"
         )
     for e in report.excluded:
@@ -42,8 +43,8 @@ def print_plan(plan) -> None:
     print(f"split {plan.split.describe()}")
     print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)"
           + ("" if plan.optimal else "; the best plan found within the solver's time cap, not proven optimal"))
-    print(f"{'device':<12} {'rank':>4} {'kv':>3} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'memory MiB':>10}  note")
+    print(f"{'device':<12} {'rank':>4} {'kv':>6} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'memory MiB':>10}  note")
     for d in plan.devices:
         rank = "-" if d.rank is None else d.rank
-        print(f"{d.device:<12} {rank:>4} {d.kv_groups:>3} {d.mlp_columns:>6} {d.vocab_rows:>7} "
+        print(f"{d.device:<12} {rank:>4} {kv_label(d.kv_groups, d.kv_rows):>6} {d.mlp_columns:>6} {d.vocab_rows:>7} "
               f"{d.compute_seconds:>9.3f} {d.memory_bytes / 2**20:>10.0f}  {d.reason or ''}")

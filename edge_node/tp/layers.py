@@ -17,16 +17,25 @@ from edge_node.tp.mappings import reduce_from_tp
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W_local^T) + b, with the bias replicated and added once."""
+    """y = all_reduce(x_local @ W_local^T) + b, with the bias replicated and added once.
+
+    With `deferred`, forward returns the partial product only and `finish` sums it
+    (for a rank that computes only some rows: the rows are put back in place first).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        self.deferred = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        return y if self.deferred else self.finish(y)
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(partial)
         return y + self.bias if self.bias is not None else y
 
 
@@ -49,6 +58,42 @@ class VocabParallelEmbedding(nn.Module):
             local_ids = (input_ids - self.start).masked_fill(outside, 0)
             out = F.embedding(local_ids, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out)
+
+
+def share_rows(attention: nn.Module, rows: tuple[int, int], batch: int) -> None:
+    """Make a Hugging Face attention module compute only micro-batch rows [r0, r1) of its KV groups.
+
+    Hooks, so the module, its code and its parameter names stay Hugging Face's: before the
+    forward, the row-indexed inputs are narrowed to the rows; after it, the partial o_proj
+    output is put back among zero rows of the full batch and summed across ranks (the other
+    rows come from the ranks that share this group).
+    """
+    r0, r1 = rows
+    o_proj = attention.o_proj
+    o_proj.deferred = True
+
+    def narrow(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return x[r0:r1]
+        if isinstance(x, tuple):
+            return tuple(narrow(t) for t in x)
+        return x
+
+    def before(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        if hidden.shape[0] != batch:
+            raise RuntimeError(f"this split computes rows {r0}:{r1} of micro-batches of {batch}, got {hidden.shape[0]} rows")
+        args = tuple(narrow(a) for a in args)
+        kwargs = {k: narrow(v) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def after(module, args, kwargs, output):
+        partial, weights = output
+        placed = F.pad(partial, (0, 0, 0, 0, r0, batch - r1))
+        return o_proj.finish(placed), weights
+
+    attention.register_forward_pre_hook(before, with_kwargs=True)
+    attention.register_forward_hook(after, with_kwargs=True)
 
 
 class HeadlessAttention(nn.Module):

@@ -4,7 +4,8 @@ Order matters and mirrors the model's data flow:
 1. vocabulary-parallel embedding (its output is summed across ranks);
 2. per decoder layer: copy_to_tp after each norm (the replicated input of the
    attention and MLP blocks), column-parallel q/k/v and gate/up, row-parallel
-   o and down; a rank with no KV group gets `HeadlessAttention`;
+   o and down; a rank with no KV group gets `HeadlessAttention`, a rank with
+   some rows of a shared group gets `share_rows`;
 3. copy_to_tp after the final norm, then the vocabulary-parallel LM head
    (tied to the embedding shard when the model ties them).
 The model's own forward code is untouched. Works on a meta-device model, so
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParallelEmbedding
+from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParallelEmbedding, share_rows
 from edge_node.tp.mappings import copy_to_tp
 from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice
 from xronos.errors import XronosError
@@ -59,6 +60,7 @@ def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
     device = base.embed_tokens.weight.device
     base.embed_tokens = VocabParallelEmbedding(lo, hi - lo, dims.hidden_size, model.config.pad_token_id, device)
 
+    rows = split.attention_shares()[rank][1]
     for i, layer in enumerate(base.layers):
         prefix = f"model.layers.{i}"
         layer.input_layernorm.register_forward_hook(_copy_output_to_tp)
@@ -69,6 +71,8 @@ def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
             setattr(parent, attr, _sharded(getattr(parent, attr), f"{prefix}.{suffix}", style, split, rank, dims))
         if split.kv_groups[rank] == 0:
             layer.self_attn = HeadlessAttention(layer.self_attn.o_proj)
+        elif rows is not None:
+            share_rows(layer.self_attn, rows, split.micro_batch_rows)
 
     base.norm.register_forward_hook(_copy_output_to_tp)
     model.lm_head = nn.Linear(dims.hidden_size, hi - lo, bias=False, device=device)
