@@ -29,12 +29,11 @@ import queue
 import shutil
 import signal
 import threading
-import time
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from edge_node.cpu_quota import make_quota
+from edge_node.cpu_quota import make_quota, start_under
 from edge_node.metrics import NodeMetrics
 from edge_node.worker_process import WorkerProcess, free_port, stop_all
 from xronos import wire
@@ -203,19 +202,21 @@ class NodeAgent:
         from edge_node.profiler import available_memory_bytes
         from edge_node.trainer import WorkerSpec
 
+        if self.o.speed is not None:
+            job.quota = make_quota(f"xronos-node-{self.id}-{job.id}", self.o.speed)
         spec = WorkerSpec(
             job=options, device=0, name=self.id, speed_hint=self.o.speed, memory_bytes=available_memory_bytes(),
             profile_file=str(job.file("profile.json")), plan_file=str(job.file("plan.json")) if plan else None,
             rows_file=str(job.file("rows.safetensors")), result_file=str(job.file("result.json")),
             progress_file=str(job.file("progress.jsonl")), threads=self.o.threads,
+            quota_file=job.quota and job.quota.procs_file,
         )
         job.file("spec.json").write_text(spec.model_dump_json())
         loopback = self._address().startswith("127.")
         job.worker = WorkerProcess(0, job.file("spec.json"), job.file("worker.log"), echo=False,
                                    threads=self.o.threads, loopback=loopback)
-        if self.o.speed is not None:
-            job.quota = make_quota(f"xronos-node-{self.id}-{job.id}", self.o.speed)
-            job.quota.add(job.worker.proc.pid)
+        if job.quota is not None:
+            start_under(job.quota, job.worker.proc.pid)
 
     def _train(self, a: wire.Assignment) -> None:
         job = self.job

@@ -7,6 +7,11 @@ than the 100 ms default: with 100 ms a throttled worker stops for up to 75 ms
 at a stretch and stalls every collective, which emulates a stop-and-go device
 rather than a slower one.
 
+A worker joins its cgroup itself, once its imports are done (`join_quota`):
+startup is not what the emulation is about, and a 0.25 device would spend
+~18 s importing torch and transformers under its quota, in every test and
+bench run. Everything timed (profile, load, steps) runs under the quota.
+
 Where no cgroup can be written (not root, no v1 cpu controller), the fallback
 is a duty cycle driven from the launcher: SIGCONT for `speed` of each 10 ms
 period and SIGSTOP for the rest. Coarser (it depends on the launcher being
@@ -41,8 +46,13 @@ class CgroupQuota:
         (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (self.path / "cpu.cfs_quota_us").write_text(str(max(1000, round(speed * PERIOD_US))))
 
+    @property
+    def procs_file(self) -> str:
+        """Where a worker writes its own pid to join (`join_quota`)."""
+        return str(self.path / "cgroup.procs")
+
     def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
+        Path(self.procs_file).write_text(str(pid))
 
     def close(self) -> None:
         for _ in range(50):  # the group can be removed once its processes have exited
@@ -56,6 +66,8 @@ class CgroupQuota:
 
 class DutyCycleQuota:
     """Fallback: SIGSTOP/SIGCONT a process so it runs `speed` of every period."""
+
+    procs_file = None  # the launcher adds the process at once (`add`)
 
     def __init__(self, name: str, speed: float):
         self.speed = min(speed, 1.0)
@@ -110,6 +122,18 @@ def pack_cores(speeds: list[float], cores: int) -> list[set[int]] | None:
         load[core] += speeds[device]
         placed[device] = {core}
     return placed
+
+
+def join_quota(procs_file: str) -> None:
+    """Move this process into the cgroup whose `cgroup.procs` this is (a worker, after its imports)."""
+    Path(procs_file).write_text(str(os.getpid()))
+
+
+def start_under(quota: CgroupQuota | DutyCycleQuota, pid: int) -> None:
+    """Put a just-started worker under `quota`: a cgroup it joins itself (its spec names
+    `quota.procs_file`), a duty cycle from now on."""
+    if quota.procs_file is None:
+        quota.add(pid)
 
 
 def make_quota(name: str, speed: float) -> CgroupQuota | DutyCycleQuota:

@@ -14,6 +14,8 @@ and `accelerate` (transformers refuses `gguf_file=` without it).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shutil
 from importlib import metadata
@@ -135,6 +137,38 @@ def _load_fp32(gguf_file: Path):
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def _each_file_parsed_once():
+    """Within one import, parse the GGUF once and build gguf's tensor-name map once per shape.
+
+    The header check, and transformers for the config, the weights and the tokenizer, each
+    parse the whole file (~5 s in Python for SmolLM2's 49k-token vocabulary), and transformers
+    rebuilds the name map for every module (~400 times). A parsed reader is read-only (its data
+    is a read-only memory map), so one can serve them all. transformers imports both names from
+    `gguf` when it calls them, so they are swapped on the module for the duration."""
+    try:
+        import gguf
+    except ImportError:  # read_gguf_header says what to install
+        yield
+        return
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, object] = {}
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return original_reader(path, mode)
+        key = os.path.realpath(os.fspath(path))
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
+
+
 def import_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Write `out_dir`: a float32 safetensors Hugging Face model (and tokenizer) from `gguf_file`.
 
@@ -143,11 +177,11 @@ def import_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
     non-empty `out_dir` is refused rather than overwritten.
     """
     src, out = Path(gguf_file), Path(out_dir)
-    check_importable(read_gguf_header(src), src)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise XronosError(f"output {str(out)!r} already exists and is not an empty directory")
-
-    model, tokenizer = _load_fp32(src)
+    with _each_file_parsed_once():
+        check_importable(read_gguf_header(src), src)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise XronosError(f"output {str(out)!r} already exists and is not an empty directory")
+        model, tokenizer = _load_fp32(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed import in a process with our pid

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from controller.job_plan import plan_job, with_predictions
 from controller.planning import split_for_mode
-from edge_node.cpu_quota import make_quota, pack_cores
+from edge_node.cpu_quota import make_quota, pack_cores, start_under
 from edge_node.data import load_rows
 from edge_node.model_io import load_config
 from edge_node.profiler import available_memory_bytes
@@ -104,6 +104,10 @@ def run_local(
         throttled = None not in device_speeds
         cpus = pack_cores(device_speeds, len(os.sched_getaffinity(0))) if throttled else None
         for device in range(n_workers):
+            quota = None
+            if device_speeds[device] is not None:
+                quota = make_quota(f"xronos-{run_id}-d{device}", device_speeds[device])
+                quotas.append(quota)
             spec = WorkerSpec(
                 job=job, device=device, speed_hint=device_speeds[device], memory_bytes=memory,
                 rank=None if profiled else device, split=split, stages=stages,
@@ -112,7 +116,7 @@ def run_local(
                 plan_file=str(run_dir / "plan.json") if profiled else None,
                 master_port=port, rows_file=str(run_dir / "rows.safetensors"),
                 result_file=str(run_dir / f"result-{device}.json"), threads=threads,
-                show_progress=show_progress and device == 0,
+                show_progress=show_progress and device == 0, quota_file=quota and quota.procs_file,
             )
             spec_file = run_dir / f"spec-{device}.json"
             spec_file.write_text(spec.model_dump_json())
@@ -120,10 +124,8 @@ def run_local(
                                    threads=threads, cpus=cpus[device] if cpus else None)
             worker.rank = None if profiled else device
             workers.append(worker)
-            if device_speeds[device] is not None:
-                quota = make_quota(f"xronos-{run_id}-d{device}", device_speeds[device])
-                quotas.append(quota)
-                quota.add(worker.proc.pid)
+            if quota is not None:
+                start_under(quota, worker.proc.pid)
 
         devices, predicted, plan = list(range(n_workers)), None, None
         if profiled:

@@ -36,6 +36,13 @@ def load_config(model_dir: str | os.PathLike):
     return config
 
 
+def model_class(config) -> type:
+    """The transformers class AutoModelForCausalLM builds for `config` (importing its modeling module)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
 class SafetensorsReader:
     """Name -> file map over `{stem}.safetensors` (or its HF index), with sliced, memory-mapped reads."""
 

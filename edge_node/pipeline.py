@@ -135,15 +135,21 @@ class PipelineTrainer(Trainer):
     def checkpoint_key(self, name: str) -> str:
         return EMBED if name == TIED_HEAD and self.tied else name
 
+    waited = 0.0
+    """Seconds of this step spent communicating: in the schedule outside the stage's own
+    forward and backward (sends, receives, waiting for the neighbouring stages) and in the
+    step's collectives. The optimizer step is compute, as in the TP modes (and the profile)."""
+
     def comm_seconds_of_step(self, wall: float, clock_before: float) -> float:
-        compute, self.stage.compute_seconds = self.stage.compute_seconds, 0.0
-        return wall - compute
+        waited, self.waited = self.waited, 0.0
+        return waited
 
     def train_step(self, step: int) -> float:
         job = self.job
         rows = self.rows[batch_rows(step, job.batch_size, len(self.rows), job.seed, job.shuffle)]
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
+        compute_before, start = self.stage.compute_seconds, time.perf_counter()
         if self.first and self.last:
             self.schedule.step(rows, target=rows, losses=losses)
         elif self.first:
@@ -152,10 +158,15 @@ class PipelineTrainer(Trainer):
             self.schedule.step(target=rows, losses=losses)
         else:
             self.schedule.step()
+        self.waited += time.perf_counter() - start - (self.stage.compute_seconds - compute_before)
+        start = time.perf_counter()
         if self.tied_group is not None and (self.first or self.last):
             weight = self.model.model.embed_tokens.weight if self.first else self.model.lm_head.weight
             dist.all_reduce(weight.grad, group=self.tied_group)
+        self.waited += time.perf_counter() - start
         self.optimizer.step()
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        start = time.perf_counter()
         dist.broadcast(loss, src=self.world - 1)
+        self.waited += time.perf_counter() - start
         return loss.item()

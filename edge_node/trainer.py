@@ -70,6 +70,7 @@ class WorkerSpec(BaseModel):
     threads: int = 1
     show_progress: bool = False
     progress_file: str | None = Field(None, description="Append one JSON line per step here (read by the node agent).")
+    quota_file: str | None = Field(None, description="The cgroup.procs file to join once imports are done (cpu_quota).")
 
 
 class Trainer:

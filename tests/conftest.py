@@ -22,7 +22,6 @@ MODELS = {
     "mha_untied": dict(hidden=64, layers=2, heads=8, kv_heads=8, intermediate=192, vocab=VOCAB, tie=False),
     "gqa_tied": dict(hidden=48, layers=2, heads=6, kv_heads=3, intermediate=160, vocab=VOCAB, tie=True),
     "qwen2_gqa": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=VOCAB, tie=False, arch="qwen2"),
-    "mha_tied": dict(hidden=32, layers=3, heads=4, kv_heads=4, intermediate=96, vocab=VOCAB, tie=True),
 }
 
 

@@ -9,8 +9,10 @@ drop it, and the jobs go on.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -234,6 +236,17 @@ def open_broker():
     broker.stop()
 
 
+def test_embedded_broker_does_not_warn_about_a_reachability_probe(open_broker, caplog):
+    """Every command-line client first opens and closes a bare TCP connection (`Bus.start`)."""
+    broker, settings = open_broker
+    caplog.set_level(logging.INFO, logger="amqtt")
+    socket.create_connection(("127.0.0.1", broker.port), timeout=5).close()
+    Bus(settings, "probe-test").start(wait=5).stop()
+    wait_for(lambda: sum("Connection from" in r.getMessage() for r in caplog.records) >= 3, 5, "three connections")
+    time.sleep(0.5)  # the broker's loop has handled the probes' end too
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+
+
 def test_controller_and_node_drop_forgeries_and_reconnect_on_an_open_broker(open_broker, tmp_path):
     """Without ACLs (the embedded broker) the controller undoes assignments it did not write;
     garbage to a node is counted and dropped; both come back after the broker restarts."""
@@ -298,7 +311,7 @@ def test_registry_declares_silent_nodes_lost():
 
 def test_demo_runs_the_whole_system_and_leaves_no_process(tmp_path):
     work = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "xronos.cli", "demo", "--workdir", str(work), "--steps", "4"],
+    result = subprocess.run([sys.executable, "-m", "xronos.cli", "demo", "--workdir", str(work), "--steps", "3"],
                             capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "publishing xronos/cmd/train" in result.stdout

@@ -25,26 +25,29 @@ def mid_model(tmp_path_factory):
 
 
 @pytest.mark.skipif(not cgroup_quota_available(), reason="needs a writable cgroup v1 cpu controller (root)")
-@pytest.mark.parametrize("speed", [0.6, 0.3])
-def test_predicted_device_step_within_20_percent_under_its_quota(speed, mid_model, tmp_path, monkeypatch):
+def test_predicted_device_step_within_20_percent_under_its_quota(mid_model, tmp_path, monkeypatch):
     """A device profiled under its CPU quota predicts its own step time (training alone, so
     nothing but its quota sets its pace), within the issue's 20%. Measured is the median of
     the timed steps: on a shared 2-core machine single steps under a quota move by ±15%, and
     so do profiles (6 runs here: ratios 0.89 to 1.16). A systematic error fails both of two
-    attempts, each with a fresh profile; noise rarely does."""
+    attempts, each with a fresh profile; noise rarely does. The worker joins its quota itself
+    after its imports: half the speed must take about twice as long."""
     model, data = mid_model
-    for attempt in range(2):
-        monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / f"cache{attempt}"))
-        job = JobOptions(model=str(model), data=str(data), output=str(tmp_path / f"out{attempt}"), mode="xronos",
-                         steps=8, batch_size=4, seq_len=64, lr=1e-4)
-        report = run_local(job, 1, speeds=[speed], show_progress=False)
-        assert report.predicted_step_seconds is not None
-        measured = statistics.median(report.step_seconds[WARMUP_STEPS:])
-        ratio = report.predicted_step_seconds / measured
-        print(f"speed {speed}: predicted {report.predicted_step_seconds:.3f} s, measured {measured:.3f} s (median)")
-        if 0.8 <= ratio <= 1.2:
-            break
-    assert 0.8 <= ratio <= 1.2
+    measured = {}
+    for speed in (0.6, 0.3):
+        for attempt in range(2):
+            monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / f"cache-{speed}-{attempt}"))
+            job = JobOptions(model=str(model), data=str(data), output=str(tmp_path / f"out-{speed}-{attempt}"),
+                             mode="xronos", steps=8, batch_size=4, seq_len=64, lr=1e-4)
+            report = run_local(job, 1, speeds=[speed], show_progress=False)
+            assert report.predicted_step_seconds is not None
+            measured[speed] = statistics.median(report.step_seconds[WARMUP_STEPS:])
+            ratio = report.predicted_step_seconds / measured[speed]
+            print(f"speed {speed}: predicted {report.predicted_step_seconds:.3f} s, measured {measured[speed]:.3f} s")
+            if 0.8 <= ratio <= 1.2:
+                break
+        assert 0.8 <= ratio <= 1.2, f"speed {speed}"
+    assert 1.5 < measured[0.3] / measured[0.6] < 2.6
 
 
 def test_profiles_are_cached_per_shape(mid_model, tmp_path, monkeypatch):

@@ -39,6 +39,12 @@ def broker_config(host: str, port: int, users: dict[str, str] | None) -> dict:
     return {"listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}}, "plugins": auth}
 
 
+def _not_a_probe(record: logging.LogRecord) -> bool:
+    """Drop amqtt's warning for a connection that closed before sending a packet: that is how
+    every Xronos command-line client checks first that something listens (`Bus.start`)."""
+    return "No data to decode MQTT packet" not in record.getMessage()
+
+
 class EmbeddedBroker:
     """amqtt on its own event loop in a background thread; `start()` returns once it listens."""
 
@@ -53,6 +59,8 @@ class EmbeddedBroker:
 
         for name in ("amqtt", "transitions"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        if _not_a_probe not in logging.getLogger("amqtt.broker").filters:
+            logging.getLogger("amqtt.broker").addFilter(_not_a_probe)
         self._thread.start()
 
         async def start():
