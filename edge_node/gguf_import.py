@@ -152,12 +152,10 @@ def _each_file_parsed_once():
         yield
         return
     original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, object] = {}
+    readers: dict[tuple[str, str], object] = {}
 
     def reader(path, mode="r"):
-        if mode != "r":
-            return original_reader(path, mode)
-        key = os.path.realpath(os.fspath(path))
+        key = (os.path.realpath(os.fspath(path)), mode)
         if key not in readers:
             readers[key] = original_reader(path, mode)
         return readers[key]

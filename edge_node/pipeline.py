@@ -27,6 +27,7 @@ from transformers.masking_utils import create_causal_mask
 
 from edge_node.data import batch_rows
 from edge_node.model_io import ATTN_IMPLEMENTATION, SafetensorsReader, reset_rotary
+from edge_node.tp.comm import CLOCK, all_reduce
 from edge_node.tp.plan import Slice
 from edge_node.trainer import Trainer
 
@@ -135,14 +136,14 @@ class PipelineTrainer(Trainer):
     def checkpoint_key(self, name: str) -> str:
         return EMBED if name == TIED_HEAD and self.tied else name
 
-    waited = 0.0
-    """Seconds of this step spent communicating: in the schedule outside the stage's own
-    forward and backward (sends, receives, waiting for the neighbouring stages) and in the
-    step's collectives. The optimizer step is compute, as in the TP modes (and the profile)."""
+    schedule_wait = 0.0
+    """Seconds of the last step in the schedule outside the stage's own forward and backward:
+    sends, receives, waiting for the neighbouring stages. With the step's collectives (timed
+    by `all_reduce`) that is its communication; the optimizer step is compute, as in the TP
+    modes and the profile."""
 
     def comm_seconds_of_step(self, wall: float, clock_before: float) -> float:
-        waited, self.waited = self.waited, 0.0
-        return waited
+        return self.schedule_wait + CLOCK.seconds - clock_before
 
     def train_step(self, step: int) -> float:
         job = self.job
@@ -158,15 +159,11 @@ class PipelineTrainer(Trainer):
             self.schedule.step(target=rows, losses=losses)
         else:
             self.schedule.step()
-        self.waited += time.perf_counter() - start - (self.stage.compute_seconds - compute_before)
-        start = time.perf_counter()
+        self.schedule_wait = time.perf_counter() - start - (self.stage.compute_seconds - compute_before)
         if self.tied_group is not None and (self.first or self.last):
             weight = self.model.model.embed_tokens.weight if self.first else self.model.lm_head.weight
-            dist.all_reduce(weight.grad, group=self.tied_group)
-        self.waited += time.perf_counter() - start
+            all_reduce(weight.grad, group=self.tied_group)
         self.optimizer.step()
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        start = time.perf_counter()
-        dist.broadcast(loss, src=self.world - 1)
-        self.waited += time.perf_counter() - start
+        all_reduce(loss)  # only the last stage has it; the others add zero (exactly)
         return loss.item()

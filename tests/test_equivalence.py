@@ -128,8 +128,6 @@ def test_pipeline_baseline_equals_single(name, layers, model_dir, data_file, sin
     report = run_local(job(model_dir(name), data_file, out, "pp", micro_batches=4), 3,
                        split_override={"layers": [int(x) for x in layers.split("/")]}, show_progress=False)
     assert report.stages is not None and len(report.nodes) == 3
-    for node in report.nodes:  # waiting on the pipe and the collectives; the optimizer step is compute
-        assert node.comm_seconds >= 0 and node.compute_seconds > 0
     for step, (got, want) in enumerate(zip(report.losses, ref.losses)):
         assert _rel(got, want) < 1e-5, f"step {step}: {got} vs {want}"
     ours, theirs = load_file(out / "model.safetensors"), load_file(ref_out / "model.safetensors")
