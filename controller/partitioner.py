@@ -309,6 +309,15 @@ def attention_layout(floors: list[float], per_group: list[float], groups: int, r
     return layers * slowest + share_seconds * shares, layout
 
 
+ROW_SHARE_MIN_GAIN = 0.03
+"""Row shares are used only when they predict a step this much shorter than whole groups.
+
+Their cost is the least certain part of the model (attention on fewer rows, the hooks, the
+shared gradients' all-reduce under a slow peer), and side-by-side runs of the strong bench
+measured a predicted 2% gain as none; a whole-group plan is also the one a re-plan
+keeps most stably."""
+
+
 def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False):
     """The best split among exactly `members` (no memory limits), for micro-batches of `rows` rows:
     the MLP and vocabulary segments water-filled, the attention laid out by `attention_layout`
@@ -328,6 +337,9 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
         return dims.num_layers * _fractional_level(floors, per_group, G) + rest, coll, [(k, None) for k in g], m, v
     share = max(shared_grad_seconds(profiles[i], dims, 1) for i in members)
     attention, layout = attention_layout(floors, per_group, G, rows, dims.num_layers, share, bound=ta)
+    whole = dims.num_layers * ta + rest
+    if attention + rest > whole * (1 - ROW_SHARE_MIN_GAIN):
+        return whole, coll, [(k, None) for k in g], m, v
     return attention + rest, coll, layout, m, v
 
 

@@ -37,7 +37,8 @@ from xronos.splits import ModelDims, ShardSplit
 KEEP_CHECKPOINTS = 2
 MAX_RESHARDS, MAX_REPLAN_CHECKS = 3, 8
 """Mode xronos checks its split against the measured pace every `replan_after` timed steps, at
-most MAX_REPLAN_CHECKS times, and re-shards at most MAX_RESHARDS times. A check that keeps the
+most MAX_REPLAN_CHECKS times, and re-shards at most MAX_RESHARDS times, only in the first half of
+the job (`reshard_leaves_enough`). A check that keeps the
 split still recalibrates the profiles, so later checks start from a pace closer to the measured one
 (the first timed steps after a start or a re-shard are the noisiest)."""
 
@@ -172,7 +173,7 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
                 bar.update()
-            room = step + 2 < self.job.steps  # a re-shard needs steps after it (the last one is always timed)
+            room = self.reshard_leaves_enough(step)
             timed = len(self.step_seconds) - self.timed_from()
             if room and self.can_replan() and timed > 0 and timed % self.job.replan_after == 0:
                 self.replan()
@@ -205,6 +206,15 @@ class Trainer:
         return (self.job.mode == "xronos" and self.spec.profiles is not None and self.world > 1
                 and self.job.replan_after > 0 and self.reshards < MAX_RESHARDS
                 and self.replan_checks < MAX_REPLAN_CHECKS)
+
+    def reshard_leaves_enough(self, step: int) -> bool:
+        """Whether a re-shard after `step` leaves at least half the job on the new split.
+
+        The steps after a re-shard warm up again and the report times only the last split,
+        so a late re-shard would leave a few noisy steps to measure (and pay its reload
+        for little): re-planning belongs to the first half of a job.
+        """
+        return 2 * (step + 1) <= self.job.steps and step + 2 < self.job.steps
 
     def timed_from(self) -> int:
         """The first step of the current split that counts for timing (not a warm-up)."""

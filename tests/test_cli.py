@@ -113,3 +113,15 @@ def test_bench_runs_pp_once_per_micro_batch_count():
         ("xronos", "xronos", None), ("pp m=2", "pp", 2), ("pp m=4", "pp", 4), ("tp", "tp", None)]
     assert bench_runs(["pp"], [2]) == [("pp", "pp", 2)]
     assert bench_runs(["pp", "single"], None) == [("pp", "pp", None), ("single", "single", None)]
+
+
+def test_bench_rounds_report_the_median_round_and_ratios_round_by_round(model_dir, data_file, tmp_path, capsys):
+    from xronos.bench import median_round, round_ratios
+
+    assert median_round([3.0, 1.0, 2.0]) == 2
+    assert median_round([4.0, 1.0, 3.0, 2.0]) == 3  # of an even number, the lower middle one
+    assert round_ratios({"xronos": [2.0, 3.0], "tp": [4.0, 5.0]}, "xronos", "tp") == [0.5, 0.6]
+    args = ["bench", "--model", str(model_dir("mha_untied")), "--data", str(data_file), "--output", str(tmp_path),
+            "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--modes", "tp", "--rounds", "0"]
+    code, err = run_cli(args, capsys)
+    assert code == 2 and err == ["xronos: error: --rounds must be at least 1, got 0"]

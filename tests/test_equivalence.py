@@ -140,8 +140,9 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     """Profile, plan, re-plan after one timed step (re-sharding in place if the split moves): same training."""
     monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
     ref, _ = single_runs("gqa_tied")
-    report = run_local(job(model_dir("gqa_tied"), data_file, tmp_path / "out", "xronos", replan_after=1), 3,
+    report = run_local(job(model_dir("gqa_tied"), data_file, tmp_path / "out", "xronos", replan_after=1, steps=6), 3,
                        speeds=[0.8, 0.5, 0.3], show_progress=False)
     assert report.predicted_step_seconds is not None and report.split.world_size == 3 - len(report.excluded)
+    assert len(report.losses) == 6
     for got, want in zip(report.losses, ref.losses):
         assert _rel(got, want) < 1e-5

@@ -29,6 +29,26 @@ class BenchResult(BaseModel):
     perplexity_before: float | None
     perplexity_after: dict[str, float]
     reports: dict[str, RunReport]
+    """Per mode, the report of its median round."""
+    rounds: dict[str, list[float]] = {}
+    """Per mode, the mean step seconds of each round, in round order."""
+
+
+def median_round(seconds: list[float]) -> int:
+    """The round whose step time is the median (of an even number, the lower middle one)."""
+    order = sorted(range(len(seconds)), key=seconds.__getitem__)
+    return order[(len(seconds) - 1) // 2]
+
+
+def round_ratios(rounds: dict[str, list[float]], mode: str, base: str) -> list[float]:
+    """`mode`'s step time over `base`'s, round by round: each pair ran minutes apart, not rounds apart."""
+    return [a / b for a, b in zip(rounds[mode], rounds[base])]
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def bench_runs(modes: list[str], pp_micro_batches: list[int] | None) -> list[tuple[str, str, int | None]]:
@@ -48,26 +68,37 @@ def bench_runs(modes: list[str], pp_micro_batches: list[int] | None) -> list[tup
 
 
 def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data: str | None, eval_rows: int,
-              show_progress: bool = True, pp_micro_batches: list[int] | None = None) -> BenchResult:
+              show_progress: bool = True, pp_micro_batches: list[int] | None = None, rounds: int = 1) -> BenchResult:
+    """Every mode once per round, the modes in turn within a round.
+
+    A shared machine's pace drifts by tens of percent over minutes; rounds interleave the
+    modes so each sees the same drift, and the table shows each mode's median round and
+    the round-by-round ratios. Training is deterministic, so perplexity is taken once.
+    """
     eval_set = None
     if eval_data:
         dims = ModelDims.from_config(load_config(base.model))
         eval_set = load_rows(eval_data, base.seq_len, base.model, dims.vocab_size)[:eval_rows]
     before = perplexity(base.model, eval_set) if eval_set is not None else None
-    reports, after = {}, {}
-    for label, mode, micro_batches in bench_runs(modes, pp_micro_batches):
-        out = Path(base.output) / label.replace(" ", "_").replace("=", "")
-        job = base.model_copy(update={"mode": mode, "output": str(out),
-                                      "micro_batches": micro_batches or base.micro_batches})
-        nodes, node_speeds = (1, [1.0]) if mode == "single" else (len(speeds), speeds)
-        print(f"bench: {label} on {nodes} device(s) at speeds {node_speeds}", flush=True)
-        # The previous run's model (hundreds of MB) is still dirty in the page cache; written back
-        # during this run, it would take CPU from this run's first steps. Every run starts clean.
-        os.sync()
-        reports[label] = run_local(job, nodes, node_speeds, show_progress=show_progress)
-        if eval_set is not None:
-            after[label] = perplexity(out, eval_set)
-    return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports)
+    runs: dict[str, list[RunReport]] = {}
+    after = {}
+    for round_ in range(rounds):
+        for label, mode, micro_batches in bench_runs(modes, pp_micro_batches):
+            out = Path(base.output) / label.replace(" ", "_").replace("=", "")
+            job = base.model_copy(update={"mode": mode, "output": str(out),
+                                          "micro_batches": micro_batches or base.micro_batches})
+            nodes, node_speeds = (1, [1.0]) if mode == "single" else (len(speeds), speeds)
+            print(f"bench: {label} on {nodes} device(s) at speeds {node_speeds}"
+                  + (f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""), flush=True)
+            # The previous run's model (hundreds of MB) is still dirty in the page cache; written back
+            # during this run, it would take CPU from this run's first steps. Every run starts clean.
+            os.sync()
+            runs.setdefault(label, []).append(run_local(job, nodes, node_speeds, show_progress=show_progress))
+            if eval_set is not None and round_ == 0:
+                after[label] = perplexity(out, eval_set)
+    seconds = {label: [r.mean_step_seconds for r in reports] for label, reports in runs.items()}
+    reports = {label: runs[label][median_round(seconds[label])] for label in runs}
+    return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports, rounds=seconds)
 
 
 def compute_stall(node, measured_steps: int) -> float:
@@ -75,20 +106,33 @@ def compute_stall(node, measured_steps: int) -> float:
     return node.compute_seconds / measured_steps / node.predicted_compute_seconds - 1
 
 
+def _ratio_text(rounds: dict[str, list[float]], mode: str, base: str) -> str:
+    """The median round-by-round ratio, with its range when there were several rounds."""
+    ratios = round_ratios(rounds, mode, base)
+    text = f"{_median(ratios):.2f}"
+    return text if len(ratios) == 1 else f"{text} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def print_bench(result: BenchResult) -> None:
     reports = result.reports
+    rounds = result.rounds or {m: [r.mean_step_seconds] for m, r in reports.items()}
+    n_rounds = len(next(iter(rounds.values())))
     single = reports.get("single")
     ideal = single.mean_step_seconds / sum(result.speeds) if single else None
-    tp = reports.get("tp")
     print(f"\nspeeds {result.speeds} (sum {sum(result.speeds):g})"
-          + (f"; compute-only ideal {ideal:.3f} s/step (single-core step / sum of speeds)" if ideal else ""))
+          + (f"; compute-only ideal {ideal:.3f} s/step (single-core step / sum of speeds)" if ideal else "")
+          + (f"; {n_rounds} rounds: each mode's median round, ratios round by round: median (range)" if n_rounds > 1 else ""))
     ppl0 = f"{result.perplexity_before:.3f}" if result.perplexity_before else "-"
-    print(f"{'mode':<8} {'step s':>7} {'vs tp':>6} {'vs ideal':>8} {'idle':>6} {'ppl before':>10} {'ppl after':>9}  split")
+    width = 17 if n_rounds > 1 else 6
+    print(f"{'mode':<8} {'step s':>7} {'vs tp':>{width}} {'vs ideal':>8} {'idle':>6} {'ppl before':>10} {'ppl after':>9}  split")
     for mode, r in reports.items():
-        vs_tp = f"{r.mean_step_seconds / tp.mean_step_seconds:.2f}" if tp else "-"
+        vs_tp = _ratio_text(rounds, mode, "tp") if "tp" in reports else "-"
         vs_ideal = f"{r.mean_step_seconds / ideal:.2f}" if ideal else "-"
         ppl = f"{result.perplexity_after[mode]:.3f}" if mode in result.perplexity_after else "-"
-        print(f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>6} {vs_ideal:>8} {r.idle_ratio:>6.1%} {ppl0:>10} {ppl:>9}  {describe_layout(r.split, r.stages)}")
+        print(f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>{width}} {vs_ideal:>8} {r.idle_ratio:>6.1%} {ppl0:>10} {ppl:>9}  {describe_layout(r.split, r.stages)}")
+    if n_rounds > 1:
+        print("\nstep seconds by round: " + "; ".join(
+            f"{mode} " + " ".join(f"{s:.2f}" for s in seconds) for mode, seconds in rounds.items()))
     print("\nper device [speed], seconds per measured step: compute / comm / idle"
           " (profiled modes: + compute stall = measured / profiled compute - 1)")
     for mode, r in reports.items():
@@ -103,7 +147,7 @@ def print_bench(result: BenchResult) -> None:
     pps = {m: r for m, r in reports.items() if r.mode == "pp"}
     if "xronos" in reports and pps:
         best = min(pps, key=lambda m: pps[m].mean_step_seconds)
-        print(f"\nxronos / fastest pp ({best}): {reports['xronos'].mean_step_seconds / pps[best].mean_step_seconds:.2f}")
+        print(f"\nxronos / fastest pp ({best}): {_ratio_text(rounds, 'xronos', best)}")
 
 
 def write_chart(result: BenchResult, path: str) -> None:

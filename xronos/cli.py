@@ -154,11 +154,13 @@ def cmd_bench(args) -> int:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {args.nodes}")
     args.mode = modes[0]
     base = _job_from_args(args)
+    if args.rounds < 1:
+        raise XronosError(f"--rounds must be at least 1, got {args.rounds}")
     bad = [m for m in args.pp_micro_batches or [] if base.batch_size % m]
     if bad:
         raise XronosError(f"--pp-micro-batches {bad[0]} does not divide --batch-size {base.batch_size}")
     result = run_bench(base, modes, speeds, args.eval_data, args.eval_rows, show_progress=not args.quiet,
-                       pp_micro_batches=args.pp_micro_batches)
+                       pp_micro_batches=args.pp_micro_batches, rounds=args.rounds)
     print_bench(result)
     if args.json:
         save_json(result, args.json)
@@ -322,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default="xronos,tp,single", help="comma-separated modes to compare")
     bench.add_argument("--pp-micro-batches", type=_positive_ints,
                        help="pp: run once per micro-batch count listed (e.g. 1,2,4) and compare xronos with the fastest")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="run every mode this many times, the modes in turn (a shared machine drifts); "
+                            "the table shows each mode's median round and the ratios round by round")
     bench.add_argument("--eval-data", help="held-out data (same format as --data) for perplexity before and after")
     bench.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate")
     bench.add_argument("--json", help="write every mode's report and the perplexities here")
