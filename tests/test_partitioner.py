@@ -204,8 +204,8 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
 def test_repeated_replans_converge_on_the_measured_pace():
     """Devices that really run at other paces than profiled: each re-plan starts from the
     profiles the last one recalibrated, so the split converges to the one planned with the
-    true paces (half-way steps: the error factor f shrinks as f**(1/2**k)), to within the
-    gain a re-shard must promise."""
+    true paces (the error factor f shrinks as f**((1 - RECALIBRATION_STEP)**k)), to within
+    the gain a re-shard must promise."""
     from controller.partitioner import MIN_REPLAN_GAIN, _solve_members, device_compute, recalibrate, replan
 
     rng = random.Random(7)

@@ -144,6 +144,9 @@ def print_bench(result: BenchResult) -> None:
         )
         left_out = "".join(f"  [{e.speed:g}] left out: {e.reason}" for e in r.excluded)
         print(f"{mode:<8} {per}{left_out}")
+    if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:
+        x, t = reports["xronos"].idle_ratio, reports["tp"].idle_ratio
+        print(f"\nidle: xronos {x:.1%}, tp {t:.1%} ({t / x:.1f}x less)")
     pps = {m: r for m, r in reports.items() if r.mode == "pp"}
     if "xronos" in reports and pps:
         best = min(pps, key=lambda m: pps[m].mean_step_seconds)
