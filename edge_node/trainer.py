@@ -37,10 +37,10 @@ from xronos.splits import ModelDims, ShardSplit
 KEEP_CHECKPOINTS = 2
 MAX_RESHARDS, MAX_REPLAN_CHECKS = 3, 8
 """Mode xronos checks its split against the measured pace every `replan_after` timed steps, at
-most MAX_REPLAN_CHECKS times, and re-shards at most MAX_RESHARDS times, only in the first half of
-the job (`reshard_leaves_enough`). A check that keeps the
-split still recalibrates the profiles, so later checks start from a pace closer to the measured one
-(the first timed steps after a start or a re-shard are the noisiest)."""
+most MAX_REPLAN_CHECKS times, and re-shards at most MAX_RESHARDS times, all in the first half of
+the job (`reshard_leaves_enough`). A check that keeps the split still recalibrates the profiles,
+so later checks start from a pace closer to the measured one (the first timed steps after a
+start or a re-shard are the noisiest)."""
 
 
 class WorkerSpec(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -43,12 +44,6 @@ def median_round(seconds: list[float]) -> int:
 def round_ratios(rounds: dict[str, list[float]], mode: str, base: str) -> list[float]:
     """`mode`'s step time over `base`'s, round by round: each pair ran minutes apart, not rounds apart."""
     return [a / b for a, b in zip(rounds[mode], rounds[base])]
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def bench_runs(modes: list[str], pp_micro_batches: list[int] | None) -> list[tuple[str, str, int | None]]:
@@ -109,7 +104,7 @@ def compute_stall(node, measured_steps: int) -> float:
 def _ratio_text(rounds: dict[str, list[float]], mode: str, base: str) -> str:
     """The median round-by-round ratio, with its range when there were several rounds."""
     ratios = round_ratios(rounds, mode, base)
-    text = f"{_median(ratios):.2f}"
+    text = f"{statistics.median(ratios):.2f}"
     return text if len(ratios) == 1 else f"{text} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 

@@ -156,6 +156,10 @@ def cmd_bench(args) -> int:
     base = _job_from_args(args)
     if args.rounds < 1:
         raise XronosError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.quiet:  # the held-out evaluation loads each model here: no loading bars either
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     bad = [m for m in args.pp_micro_batches or [] if base.batch_size % m]
     if bad:
         raise XronosError(f"--pp-micro-batches {bad[0]} does not divide --batch-size {base.batch_size}")
@@ -331,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate")
     bench.add_argument("--json", help="write every mode's report and the perplexities here")
     bench.add_argument("--chart", help="write a PNG chart here")
-    bench.add_argument("--quiet", action="store_true")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars")
     bench.set_defaults(func=cmd_bench)
 
     gguf = sub.add_parser("import-gguf", help="write a plain Hugging Face safetensors model from a GGUF file")

@@ -30,7 +30,8 @@ class JobOptions(BaseModel):
     resume: bool = Field(False, description="Continue from the newest checkpoint under `output`.")
     replan_after: NonNegativeInt = Field(
         2, description="Mode xronos: check the split against the measured compute every this many timed steps "
-                       "and re-shard when that predicts 3% shorter steps (at most 8 checks and 3 re-shards, in the first half of the job; 0: never).")
+                       "and re-shard when that predicts 3% shorter steps (at most 8 checks and 3 re-shards, "
+                       "in the first half of the job; 0: never).")
     micro_batches: PositiveInt | None = Field(None, description="Pipeline mode: micro-batches per step (default: batch_size).")
 
     @model_validator(mode="after")
