@@ -212,9 +212,10 @@ class Trainer:
 
         The steps after a re-shard warm up again and the report times only the last split,
         so a late re-shard would leave a few noisy steps to measure (and pay its reload
-        for little): re-planning belongs to the first half of a job.
+        for little): re-planning belongs to the first half of a job. (Checks come after the
+        warm-up steps, so at least one step, always timed, follows a re-shard.)
         """
-        return 2 * (step + 1) <= self.job.steps and step + 2 < self.job.steps
+        return 2 * (step + 1) <= self.job.steps
 
     def timed_from(self) -> int:
         """The first step of the current split that counts for timing (not a warm-up)."""

@@ -31,7 +31,7 @@ class BenchResult(BaseModel):
     perplexity_after: dict[str, float]
     reports: dict[str, RunReport]
     """Per mode, the report of its median round."""
-    rounds: dict[str, list[float]] = {}
+    rounds: dict[str, list[float]]
     """Per mode, the mean step seconds of each round, in round order."""
 
 
@@ -109,8 +109,7 @@ def _ratio_text(rounds: dict[str, list[float]], mode: str, base: str) -> str:
 
 
 def print_bench(result: BenchResult) -> None:
-    reports = result.reports
-    rounds = result.rounds or {m: [r.mean_step_seconds] for m, r in reports.items()}
+    reports, rounds = result.reports, result.rounds
     n_rounds = len(next(iter(rounds.values())))
     single = reports.get("single")
     ideal = single.mean_step_seconds / sum(result.speeds) if single else None
