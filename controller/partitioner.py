@@ -60,6 +60,8 @@ class DeviceCost(BaseModel):
     mlp_columns: int
     vocab_rows: int
     compute_seconds: float
+    idle_seconds: float = 0.0
+    """Predicted as measured: the slowest participant's compute seconds minus this device's."""
     memory_bytes: int
     reason: str | None = None
 
@@ -71,6 +73,9 @@ class Plan(BaseModel):
     devices: list[DeviceCost]
     collective_seconds: float
     predicted_step_seconds: float
+    predicted_idle_ratio: float = 0.0
+    """Mean over participants of idle / step: what the report measures as the idle ratio. Part of
+    it can be structural: whole KV groups may not divide among devices at their speeds."""
     optimal: bool = True
     """False only when memory binds for many devices and the solver's time ran out: the best plan found."""
 
@@ -455,7 +460,12 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:
                                   memory_bytes=int(memory)))
     step = split_step_seconds([profiles[i] for i in members], dims, split)
     coll = coll if len(members) > 1 else 0.0
-    return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step)
+    slowest = max(d.compute_seconds for d in devices if d.rank is not None)
+    devices = [d if d.rank is None else d.model_copy(update={"idle_seconds": slowest - d.compute_seconds})
+               for d in devices]
+    idle = sum(d.idle_seconds for d in devices if d.rank is not None) / len(members) / step if step > 0 else 0.0
+    return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step,
+                predicted_idle_ratio=idle)
 
 
 def recalibrate(profile: DeviceProfile, factor: float) -> DeviceProfile:

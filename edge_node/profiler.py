@@ -8,7 +8,9 @@ timing is forward + backward + AdamW update, divided by its units. It also times
 its own share of an all-reduce (loopback socket transfer of the payload plus
 the reduction), because on a CPU device the collectives run on the same cores
 and at the same speed as the compute. About a second or two on a full core;
-cached per model shape, batch shape and device.
+cached per model shape, batch shape and device, for a day (a device's pace
+drifts with heat, background load and updates; `XRONOS_PROFILE_MAX_AGE`,
+in hours, changes that).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from transformers.masking_utils import create_causal_mask
 
 from edge_node.model_io import ATTN_IMPLEMENTATION
 from edge_node.tp.cross_entropy import causal_lm_loss
+from xronos.errors import XronosError
 from xronos.profiles import DeviceProfile, ProfileShape
 from xronos.splits import ModelDims
 
@@ -138,6 +141,22 @@ PROFILER_VERSION = 3
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 
+PROFILE_MAX_AGE_HOURS = 24.0
+"""A cached profile older than this is measured anew (`XRONOS_PROFILE_MAX_AGE` overrides)."""
+
+
+def _fresh(cache: Path) -> bool:
+    """Whether a cached profile exists and is young enough to plan with."""
+    if not cache.is_file():
+        return False
+    raw = os.environ.get("XRONOS_PROFILE_MAX_AGE", str(PROFILE_MAX_AGE_HOURS))
+    try:
+        max_age = float(raw) * 3600
+    except ValueError:
+        raise XronosError(f"XRONOS_PROFILE_MAX_AGE must be a number of hours, not {raw!r}") from None
+    return time.time() - cache.stat().st_mtime <= max_age
+
+
 def _cache_path(shape: ProfileShape, device: str, speed_hint: float | None) -> Path:
     root = Path(os.environ.get("XRONOS_PROFILE_CACHE", Path.home() / ".cache" / "xronos" / "profiles"))
     key = json.dumps([shape.model_dump(), device, speed_hint, torch.__version__, PROFILER_VERSION], sort_keys=True)
@@ -164,7 +183,7 @@ def profile_device(
     )
     memory = memory_bytes or available_memory_bytes()
     cache = _cache_path(shape, device, speed_hint)
-    if use_cache and cache.is_file():
+    if use_cache and _fresh(cache):
         cached = DeviceProfile.model_validate_json(cache.read_text())
         return cached.model_copy(update={"memory_bytes": memory, "address": address})
 

@@ -31,7 +31,7 @@ from edge_node.tp.shared_groups import sum_shared_grads
 from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
-from xronos.report import WARMUP_STEPS, RankResult
+from xronos.report import WARMUP_STEPS, RankResult, ReplanCheck
 from xronos.splits import ModelDims, ShardSplit
 
 KEEP_CHECKPOINTS = 2
@@ -104,6 +104,7 @@ class Trainer:
         self.optimizer = self.make_optimizer()
         self.measure_from = 0
         self.reshards, self.replan_checks = 0, 0
+        self.replans: list[ReplanCheck] = []
         self.rows = load_file(spec.rows_file)["input_ids"]
         self.start_step, self.losses = 0, []
         if resume_from is not None:
@@ -228,7 +229,7 @@ class Trainer:
         re-plans with profiles scaled to match; a changed split is applied through a
         checkpoint that every rank re-reads its new slices from.
         """
-        from controller.partitioner import replan
+        from controller.partitioner import device_compute, replan
 
         self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
@@ -241,6 +242,13 @@ class Trainer:
                             self.job.batch_size // self.job.grad_accum, self.job.seq_len)
         dist.broadcast_object_list(box, src=0)
         new_split, calibrated = box[0]
+        accum = self.job.grad_accum
+        self.replans.append(ReplanCheck(
+            after_step=len(self.step_seconds) + self.start_step,
+            measured_compute_seconds=[t.item() * accum for t in measured],
+            predicted_compute_seconds=[device_compute(p, self.dims, *share) * accum
+                                       for p, share in zip(self.spec.profiles, self.spec.split.shares())],
+            new_split=None if new_split == self.spec.split else new_split))
         self.spec = self.spec.model_copy(update={"profiles": calibrated})
         if new_split == self.spec.split:
             return
@@ -315,6 +323,7 @@ class Trainer:
             param_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             measure_from=self.measure_from,
             split=self.spec.split if self.tensor_parallel else None,
+            replans=self.replans,
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
 

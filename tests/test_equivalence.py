@@ -146,3 +146,10 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     assert len(report.losses) == 6
     for got, want in zip(report.losses, ref.losses):
         assert _rel(got, want) < 1e-5
+    # the check after the warm-up is in the report: measured against predicted, per rank, and its outcome
+    assert [c.after_step for c in report.replans] == [3]
+    check = report.replans[0]
+    ranks = report.split.world_size
+    assert len(check.measured_compute_seconds) == len(check.predicted_compute_seconds) == ranks
+    assert all(s > 0 for s in check.measured_compute_seconds + check.predicted_compute_seconds)
+    assert check.new_split is None or check.new_split == report.split

@@ -150,6 +150,26 @@ def test_row_shares_are_used_when_they_pay():
     assert shared.predicted_step_seconds < whole.predicted_step_seconds * (1 - ROW_SHARE_MIN_GAIN)
 
 
+def test_the_plan_predicts_idle_as_the_report_measures_it():
+    """Idle = the slowest participant's compute minus one's own. Three KV groups over devices 1, 2
+    and 4 times slower are 2/1/0 in whole groups: the slowest device waits through every attention
+    segment, an idle the plan predicts before any step runs."""
+    dims = DIMS.model_copy(update={"num_heads": 6, "num_kv_heads": 3})
+    rng = random.Random(3)
+    base = profile(0, rng)
+    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) * slow for k in (
+        "kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds", "layer_fixed_seconds", "step_fixed_seconds")}})
+        for i, slow in enumerate([1, 2, 4])]
+    plan = plan_partition(profiles, dims, 1, 8)
+    assert plan.split.kv_groups == [2, 1, 0]
+    slowest = max(d.compute_seconds for d in plan.devices)
+    assert [d.idle_seconds for d in plan.devices] == pytest.approx([slowest - d.compute_seconds for d in plan.devices])
+    assert max(plan.devices, key=lambda d: d.idle_seconds).rank == 2
+    assert plan.devices[2].idle_seconds > dims.num_layers * base.kv_group_seconds  # > a group's attention per layer
+    mean = sum(d.idle_seconds for d in plan.devices) / 3
+    assert plan.predicted_idle_ratio == pytest.approx(mean / plan.predicted_step_seconds)
+
+
 def test_a_device_that_costs_more_than_it_brings_is_left_out():
     rng = random.Random(0)
     fast = profile(0, rng)

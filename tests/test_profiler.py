@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 
 import pytest
 
@@ -11,6 +13,7 @@ from edge_node.launcher import run_local
 from edge_node.model_io import load_config
 from edge_node.profiler import profile_device
 from edge_node.toy_model import make_data, make_model
+from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.report import WARMUP_STEPS
 
@@ -60,3 +63,12 @@ def test_profiles_are_cached_per_shape(mid_model, tmp_path, monkeypatch):
     other = profile_device(config, 2, 16, 1, device="d0")  # another batch shape: measured anew
     assert other.shape.seq_len == 16 and other.profile_seconds > 0
     assert len(list((tmp_path / "cache").glob("*.json"))) == 2
+    # a profile older than its maximum age is measured anew (a device's pace drifts)
+    cached = max((tmp_path / "cache").glob("*.json"), key=lambda q: q.stat().st_mtime)  # `other`'s
+    os.utime(cached, (time.time() - 2 * 86400,) * 2)
+    remeasured = profile_device(config, 2, 16, 1, device="d0")
+    assert remeasured.model_dump(exclude={"memory_bytes"}) != other.model_dump(exclude={"memory_bytes"})
+    assert time.time() - cached.stat().st_mtime < 600  # written back
+    monkeypatch.setenv("XRONOS_PROFILE_MAX_AGE", "soon")
+    with pytest.raises(XronosError, match="XRONOS_PROFILE_MAX_AGE"):
+        profile_device(config, 2, 16, 1, device="d0")

@@ -23,6 +23,7 @@ from edge_node.model_io import load_config
 from xronos.job import JobOptions
 from xronos.report import RunReport, describe_layout
 from xronos.splits import ModelDims
+from xronos.summary import replan_lines
 
 
 class BenchResult(BaseModel):
@@ -138,6 +139,8 @@ def print_bench(result: BenchResult) -> None:
         )
         left_out = "".join(f"  [{e.speed:g}] left out: {e.reason}" for e in r.excluded)
         print(f"{mode:<8} {per}{left_out}")
+    if "xronos" in reports and reports["xronos"].replans:
+        print("\nxronos (its median round), rank order:\n" + "\n".join(replan_lines(reports["xronos"])))
     if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:
         x, t = reports["xronos"].idle_ratio, reports["tp"].idle_ratio
         print(f"\nidle: xronos {x:.1%}, tp {t:.1%} ({t / x:.1f}x less)")

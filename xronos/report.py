@@ -16,6 +16,25 @@ from xronos.profiles import DeviceProfile
 from xronos.splits import ModelDims, ShardSplit
 
 
+class ReplanCheck(BaseModel):
+    """One re-plan check of mode xronos: the measured pace against the profiles' prediction, and the outcome.
+
+    Recorded because a re-shard changes what the report measures (only the last split's
+    steps count): the trace says when and why the split moved, or why it stayed.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    after_step: int
+    """The check ran after this many steps."""
+    measured_compute_seconds: list[float]
+    """Per rank: mean compute seconds per step over the split's timed steps so far."""
+    predicted_compute_seconds: list[float]
+    """Per rank: what the profiles in use before this check predicted per step."""
+    new_split: ShardSplit | None = None
+    """The split it re-sharded to; None: the split was kept (gain under the threshold)."""
+
+
 class RankResult(BaseModel):
     """What one worker measured, written by the worker at the end of a job."""
 
@@ -31,6 +50,7 @@ class RankResult(BaseModel):
     """Index into step_seconds of the first step that counts (after warm-up and any re-plan)."""
     split: ShardSplit | None = None
     """The split this rank ended with (a re-plan may change it)."""
+    replans: list[ReplanCheck] = []
 
 
 class LocalAssignment(BaseModel):
@@ -89,6 +109,8 @@ class RunReport(BaseModel):
     nodes: list[NodeReport]
     predicted_step_seconds: float | None = None
     excluded: list[ExcludedDevice] = []
+    replans: list[ReplanCheck] = []
+    """Mode xronos: every re-plan check, in order."""
 
 
 WARMUP_STEPS = 2
@@ -180,4 +202,5 @@ def build_report(
         mean_step_seconds=sum(step_seconds[k] for k in steps) / len(steps),
         idle_ratio=sum(node.idle_ratio for node in nodes) / len(nodes),
         nodes=nodes,
+        replans=results[0].replans,
     )

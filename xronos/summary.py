@@ -27,6 +27,21 @@ def print_report(report: RunReport) -> None:
     for e in report.excluded:
         speed = "-" if e.speed is None else f"{e.speed:g}"
         print(f"left out: {f'node {e.name}' if e.name else f'device {e.device}'} (speed {speed}): {e.reason}")
+    for line in replan_lines(report):
+        print(line)
+
+
+def replan_lines(report: RunReport) -> list[str]:
+    """One line per re-plan check: measured against predicted compute per rank, and the outcome."""
+    def seconds(values: list[float]) -> str:
+        return "/".join(f"{v:.2f}" for v in values)
+
+    return [
+        f"re-plan after step {c.after_step}: compute per step measured {seconds(c.measured_compute_seconds)}, "
+        f"predicted {seconds(c.predicted_compute_seconds)} -> "
+        + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept")
+        for c in report.replans
+    ]
 
 
 def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
@@ -43,8 +58,9 @@ def print_plan(plan) -> None:
     print(f"split {plan.split.describe()}")
     print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)"
           + ("" if plan.optimal else "; the best plan found within the solver's time cap, not proven optimal"))
-    print(f"{'device':<12} {'rank':>4} {'kv':>6} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'memory MiB':>10}  note")
+    print(f"predicted idle {plan.predicted_idle_ratio:.1%} (mean over devices of idle / step)")
+    print(f"{'device':<12} {'rank':>4} {'kv':>6} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'idle s':>6} {'memory MiB':>10}  note")
     for d in plan.devices:
         rank = "-" if d.rank is None else d.rank
         print(f"{d.device:<12} {rank:>4} {kv_label(d.kv_groups, d.kv_rows):>6} {d.mlp_columns:>6} {d.vocab_rows:>7} "
-              f"{d.compute_seconds:>9.3f} {d.memory_bytes / 2**20:>10.0f}  {d.reason or ''}")
+              f"{d.compute_seconds:>9.3f} {d.idle_seconds:>6.3f} {d.memory_bytes / 2**20:>10.0f}  {d.reason or ''}")
