@@ -17,7 +17,7 @@ from controller.planning import even_split, split_for_mode
 from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
-from xronos.report import ExcludedDevice, RunReport
+from xronos.report import ExcludedDevice, RunReport, idle_seconds
 from xronos.splits import ModelDims, ShardSplit
 
 
@@ -93,4 +93,6 @@ def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: 
             n.model_copy(update={"predicted_compute_seconds": device_compute(p, dims, *s) * job.grad_accum})
             for n, p, s in zip(report.nodes, members, report.split.shares())
         ]
+        idle = idle_seconds([n.predicted_compute_seconds for n in update["nodes"]])
+        update["predicted_idle_ratio"] = sum(idle) / len(idle) / update["predicted_step_seconds"]
     return report.model_copy(update=update)

@@ -41,6 +41,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.errors import XronosError
 from xronos.profiles import DeviceProfile
+from xronos.report import idle_seconds
 from xronos.splits import ModelDims, ShardSplit
 
 BYTES_PER_PARAM = 16
@@ -460,12 +461,11 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:
                                   memory_bytes=int(memory)))
     step = split_step_seconds([profiles[i] for i in members], dims, split)
     coll = coll if len(members) > 1 else 0.0
-    slowest = max(d.compute_seconds for d in devices if d.rank is not None)
-    devices = [d if d.rank is None else d.model_copy(update={"idle_seconds": slowest - d.compute_seconds})
-               for d in devices]
-    idle = sum(d.idle_seconds for d in devices if d.rank is not None) / len(members) / step if step > 0 else 0.0
+    idle = idle_seconds([d.compute_seconds for d in devices if d.rank is not None])
+    waits = iter(idle)
+    devices = [d if d.rank is None else d.model_copy(update={"idle_seconds": next(waits)}) for d in devices]
     return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step,
-                predicted_idle_ratio=idle)
+                predicted_idle_ratio=sum(idle) / len(idle) / step if step > 0 else 0.0)
 
 
 def recalibrate(profile: DeviceProfile, factor: float) -> DeviceProfile:

@@ -143,7 +143,9 @@ def print_bench(result: BenchResult) -> None:
         print("\nxronos (its median round), rank order:\n" + "\n".join(replan_lines(reports["xronos"])))
     if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:
         x, t = reports["xronos"].idle_ratio, reports["tp"].idle_ratio
-        print(f"\nidle: xronos {x:.1%}, tp {t:.1%} ({t / x:.1f}x less)")
+        planned = reports["xronos"].predicted_idle_ratio
+        print(f"\nidle: xronos {x:.1%}" + (f" (its profiles predicted {planned:.1%})" if planned is not None else "")
+              + f", tp {t:.1%} ({t / x:.1f}x less)")
     pps = {m: r for m, r in reports.items() if r.mode == "pp"}
     if "xronos" in reports and pps:
         best = min(pps, key=lambda m: pps[m].mean_step_seconds)

@@ -108,6 +108,8 @@ class RunReport(BaseModel):
     idle_ratio: float
     nodes: list[NodeReport]
     predicted_step_seconds: float | None = None
+    predicted_idle_ratio: float | None = None
+    """Profiled TP modes: the idle ratio the profiles predict for the split the job ended with."""
     excluded: list[ExcludedDevice] = []
     replans: list[ReplanCheck] = []
     """Mode xronos: every re-plan check, in order."""
@@ -116,6 +118,12 @@ class RunReport(BaseModel):
 WARMUP_STEPS = 2
 """Steps at the start of a job that are not timed. Measured here in every mode: the
 first step allocates (AdamW's moments too) and the second still runs ~1.5x a steady one."""
+
+
+def idle_seconds(compute: list[float]) -> list[float]:
+    """Each device's idle in a step (measured or predicted): the slowest device's compute minus its own."""
+    slowest = max(compute)
+    return [slowest - c for c in compute]
 
 
 def measured_range(n_steps: int, start: int = 0) -> range:
@@ -168,10 +176,10 @@ def build_report(
     steps = measured_range(n, results[0].measure_from)
     step_seconds = [max(r.step_seconds[k] for r in results) for k in range(n)]
     compute = [[r.step_seconds[k] - r.comm_seconds[k] for k in range(n)] for r in results]
-    slowest = [max(c[k] for c in compute) for k in range(n)]
+    idle_by_step = {k: idle_seconds([c[k] for c in compute]) for k in steps}
     nodes = []
-    for r, c in zip(results, compute):
-        idle = [slowest[k] - c[k] for k in steps]
+    for i, (r, c) in enumerate(zip(results, compute)):
+        idle = [idle_by_step[k][i] for k in steps]
         nodes.append(
             NodeReport(
                 rank=r.rank,
