@@ -17,7 +17,7 @@ from controller.planning import even_split, split_for_mode
 from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
-from xronos.report import ExcludedDevice, RunReport, idle_seconds
+from xronos.report import ExcludedDevice, RunReport
 from xronos.splits import ModelDims, ShardSplit
 
 
@@ -34,6 +34,8 @@ class JobPlan(BaseModel):
     predicted: list[float] | None = None
     """Predicted compute seconds per step of each rank."""
     predicted_step_seconds: float | None = None
+    predicted_idle_ratio: float | None = None
+    """Mode xronos: the idle ratio the partitioner predicted for its split."""
     optimal: bool = True
     """False when the partitioner's time cap cut the search short (memory binding on many devices)."""
 
@@ -69,6 +71,7 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
             profiles=[profiles[d] for d in members],
             predicted=[plan.devices[d].compute_seconds * job.grad_accum for d in members],
             predicted_step_seconds=plan.predicted_step_seconds * job.grad_accum, optimal=plan.optimal,
+            predicted_idle_ratio=plan.predicted_idle_ratio,
         )
     if job.mode == "single" and n != 1:
         raise XronosError(f"mode single trains on one device, not {n}")
@@ -85,7 +88,8 @@ def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: 
     """Add the plan's predictions (for the split the job ended with) and the left-out devices to a report."""
     excluded = [ExcludedDevice(device=d, speed=speeds[d], reason=plan.reasons[d] or "left out")
                 for d, r in enumerate(plan.ranks) if r is None]
-    update: dict = {"excluded": excluded, "predicted_step_seconds": plan.predicted_step_seconds}
+    update: dict = {"excluded": excluded, "predicted_step_seconds": plan.predicted_step_seconds,
+                    "predicted_idle_ratio": plan.predicted_idle_ratio}
     if report.split is not None and job.mode != "pp":
         members = [profiles[d] for d in plan.members]
         update["predicted_step_seconds"] = split_step_seconds(members, dims, report.split) * job.grad_accum
@@ -93,6 +97,4 @@ def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: 
             n.model_copy(update={"predicted_compute_seconds": device_compute(p, dims, *s) * job.grad_accum})
             for n, p, s in zip(report.nodes, members, report.split.shares())
         ]
-        idle = idle_seconds([n.predicted_compute_seconds for n in update["nodes"]])
-        update["predicted_idle_ratio"] = sum(idle) / len(idle) / update["predicted_step_seconds"]
     return report.model_copy(update=update)

@@ -145,16 +145,17 @@ PROFILE_MAX_AGE_HOURS = 24.0
 """A cached profile older than this is measured anew (`XRONOS_PROFILE_MAX_AGE` overrides)."""
 
 
-def _fresh(cache: Path) -> bool:
-    """Whether a cached profile exists and is young enough to plan with."""
-    if not cache.is_file():
-        return False
+def _max_age_seconds() -> float:
     raw = os.environ.get("XRONOS_PROFILE_MAX_AGE", str(PROFILE_MAX_AGE_HOURS))
     try:
-        max_age = float(raw) * 3600
+        return float(raw) * 3600
     except ValueError:
         raise XronosError(f"XRONOS_PROFILE_MAX_AGE must be a number of hours, not {raw!r}") from None
-    return time.time() - cache.stat().st_mtime <= max_age
+
+
+def _fresh(cache: Path, max_age_seconds: float) -> bool:
+    """Whether a cached profile exists and is young enough to plan with."""
+    return cache.is_file() and time.time() - cache.stat().st_mtime <= max_age_seconds
 
 
 def _cache_path(shape: ProfileShape, device: str, speed_hint: float | None) -> Path:
@@ -183,7 +184,7 @@ def profile_device(
     )
     memory = memory_bytes or available_memory_bytes()
     cache = _cache_path(shape, device, speed_hint)
-    if use_cache and _fresh(cache):
+    if use_cache and _fresh(cache, _max_age_seconds()):
         cached = DeviceProfile.model_validate_json(cache.read_text())
         return cached.model_copy(update={"memory_bytes": memory, "address": address})
 

@@ -283,7 +283,8 @@ class Trainer:
     def save_checkpoint(self, step: int) -> None:
         """A resumable checkpoint: model, AdamW moments, step and losses so far."""
         adam_step = self.optimizer.state[next(iter(self.model.parameters()))].get("step", torch.tensor(0.0))
-        state = {"step": step, "adam_step": float(adam_step), "losses": self.losses}
+        state = {"step": step, "adam_step": float(adam_step), "losses": self.losses,
+                 "replans": [c.model_dump() for c in self.replans]}
         self._save(checkpoint.checkpoint_dir(self.output, step), True, state)
         if self.rank == 0:
             checkpoint.prune_checkpoints(self.output, KEEP_CHECKPOINTS)
@@ -312,6 +313,7 @@ class Trainer:
         state = json.loads((directory / checkpoint.TRAINER_STATE).read_text())
         self.restore_optimizer(directory, state["adam_step"])
         self.start_step, self.losses = state["step"], list(state["losses"])
+        self.replans = [ReplanCheck.model_validate(c) for c in state.get("replans", [])]
 
     # -- results ------------------------------------------------------------
     def result(self) -> RankResult:

@@ -144,7 +144,7 @@ def print_bench(result: BenchResult) -> None:
     if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:
         x, t = reports["xronos"].idle_ratio, reports["tp"].idle_ratio
         planned = reports["xronos"].predicted_idle_ratio
-        print(f"\nidle: xronos {x:.1%}" + (f" (its profiles predicted {planned:.1%})" if planned is not None else "")
+        print(f"\nidle: xronos {x:.1%}" + (f" (its plan predicted {planned:.1%})" if planned is not None else "")
               + f", tp {t:.1%} ({t / x:.1f}x less)")
     pps = {m: r for m, r in reports.items() if r.mode == "pp"}
     if "xronos" in reports and pps:

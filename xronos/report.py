@@ -30,7 +30,7 @@ class ReplanCheck(BaseModel):
     measured_compute_seconds: list[float]
     """Per rank: mean compute seconds per step over the split's timed steps so far."""
     predicted_compute_seconds: list[float]
-    """Per rank: what the profiles in use before this check predicted per step."""
+    """Per rank: what the plan's profiles, as recalibrated by the earlier checks, predicted per step."""
     new_split: ShardSplit | None = None
     """The split it re-sharded to; None: the split was kept (gain under the threshold)."""
 
@@ -109,10 +109,10 @@ class RunReport(BaseModel):
     nodes: list[NodeReport]
     predicted_step_seconds: float | None = None
     predicted_idle_ratio: float | None = None
-    """Profiled TP modes: the idle ratio the profiles predict for the split the job ended with."""
+    """Mode xronos: the idle ratio its plan predicted, for the split it started with (before any re-plan)."""
     excluded: list[ExcludedDevice] = []
     replans: list[ReplanCheck] = []
-    """Mode xronos: every re-plan check, in order."""
+    """Mode xronos: every re-plan check, in order (a resumed job's too: checkpoints keep them)."""
 
 
 WARMUP_STEPS = 2
@@ -178,8 +178,8 @@ def build_report(
     compute = [[r.step_seconds[k] - r.comm_seconds[k] for k in range(n)] for r in results]
     idle_by_step = {k: idle_seconds([c[k] for c in compute]) for k in steps}
     nodes = []
-    for i, (r, c) in enumerate(zip(results, compute)):
-        idle = [idle_by_step[k][i] for k in steps]
+    for rank, (r, c) in enumerate(zip(results, compute)):
+        idle = [idle_by_step[k][rank] for k in steps]
         nodes.append(
             NodeReport(
                 rank=r.rank,
