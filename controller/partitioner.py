@@ -461,9 +461,8 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll) -> Plan:
                                   memory_bytes=int(memory)))
     step = split_step_seconds([profiles[i] for i in members], dims, split)
     coll = coll if len(members) > 1 else 0.0
-    idle = idle_seconds([d.compute_seconds for d in devices if d.rank is not None])
-    waits = iter(idle)
-    devices = [d if d.rank is None else d.model_copy(update={"idle_seconds": next(waits)}) for d in devices]
+    idle = idle_seconds([d.compute_seconds for d in devices if d.rank is not None])  # rank order = device order
+    devices = [d if d.rank is None else d.model_copy(update={"idle_seconds": idle[d.rank]}) for d in devices]
     return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step,
                 predicted_idle_ratio=sum(idle) / len(idle) / step if step > 0 else 0.0)
 
@@ -491,16 +490,17 @@ MIN_REPLAN_GAIN = 0.03
 
 
 def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[float],
-           micro_batch: int, seq_len: int) -> tuple[ShardSplit, list[DeviceProfile]]:
+           micro_batch: int, seq_len: int) -> tuple[ShardSplit, list[DeviceProfile], list[float]]:
     """A new split for the same ranks from measured compute seconds per micro-step (rank order),
-    and the profiles recalibrated towards the measurement (the next re-plan starts from them,
-    so repeated re-plans converge on the measured pace).
+    the profiles recalibrated towards the measurement (the next re-plan starts from them,
+    so repeated re-plans converge on the measured pace), and what `profiles` predicted.
 
     The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
     """
-    factors = []
+    factors, predictions = [], []
     for p, share, seconds in zip(profiles, split.shares(), measured):
         predicted = device_compute(p, dims, *share)
+        predictions.append(predicted)
         # Most of the way (geometrically) towards the measurement, not all: a device's pace depends
         # on its share (under a CPU quota, the less it waits the slower it computes).
         factors.append((seconds / predicted) ** RECALIBRATION_STEP if predicted > 0 and seconds > 0 else 1.0)
@@ -510,9 +510,9 @@ def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, me
     if not _fits(calibrated, dims, micro_batch, seq_len, members, g, m, v):
         solved = _solve_with_memory(calibrated, dims, micro_batch, seq_len, members)
         if solved is None:
-            return split, profiles
+            return split, profiles, predictions
         step, _, g, m, v, _ = solved
     current = split_step_seconds(calibrated, dims, split)
     if step > current * (1 - MIN_REPLAN_GAIN):  # not worth a re-shard (and measurement noise would drive it)
-        return split, calibrated
-    return _to_split(dims, g, m, v), calibrated
+        return split, calibrated, predictions
+    return _to_split(dims, g, m, v), calibrated, predictions

@@ -229,7 +229,7 @@ class Trainer:
         re-plans with profiles scaled to match; a changed split is applied through a
         checkpoint that every rank re-reads its new slices from.
         """
-        from controller.partitioner import device_compute, replan
+        from controller.partitioner import replan
 
         self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
@@ -241,16 +241,16 @@ class Trainer:
             box[0] = replan(self.spec.profiles, self.dims, self.spec.split, [t.item() for t in measured],
                             self.job.batch_size // self.job.grad_accum, self.job.seq_len)
         dist.broadcast_object_list(box, src=0)
-        new_split, calibrated = box[0]
+        new_split, calibrated, predicted = box[0]
+        changed = new_split != self.spec.split
         accum = self.job.grad_accum
         self.replans.append(ReplanCheck(
             after_step=len(self.step_seconds) + self.start_step,
             measured_compute_seconds=[t.item() * accum for t in measured],
-            predicted_compute_seconds=[device_compute(p, self.dims, *share) * accum
-                                       for p, share in zip(self.spec.profiles, self.spec.split.shares())],
-            new_split=None if new_split == self.spec.split else new_split))
+            predicted_compute_seconds=[s * accum for s in predicted],
+            new_split=new_split if changed else None))
         self.spec = self.spec.model_copy(update={"profiles": calibrated})
-        if new_split == self.spec.split:
+        if not changed:
             return
         self.reshards += 1
         self.measure_from = len(self.step_seconds) + WARMUP_STEPS  # after a re-shard the steps warm up again

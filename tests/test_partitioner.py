@@ -216,7 +216,13 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
     assert sum(plan["split"]["kv_groups"]) == dims.num_kv_heads
     assert len(plan["devices"]) == 3 and plan["predicted_step_seconds"] > 0
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 0
-    assert "predicted step" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "predicted step" in listed and "predicted idle" in listed
+    singles = [tmp_path / f"p{i}.json" for i in range(3)]  # one profile per file, as the cache keeps them
+    for file, p in zip(singles, profiles):
+        file.write_text(p.model_dump_json())
+    assert main(["plan", "--profiles", *map(str, singles), "--model", str(model_dir("mha_untied"))]) == 0
+    assert capsys.readouterr().out == listed
     path.write_text("[{\"device\": 1}]")
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 2
 
@@ -238,7 +244,9 @@ def test_repeated_replans_converge_on_the_measured_pace():
     for _ in range(8):
         measured = [device_compute(t, DIMS, split.kv_groups[r], split.mlp_columns[r], split.vocab_rows[r])
                     for r, t in enumerate(truth)]
-        split, current = replan(current, DIMS, split, measured, SHAPE.micro_batch, SHAPE.seq_len)
+        want = [device_compute(p, DIMS, *share) for p, share in zip(current, split.shares())]
+        split, current, predicted = replan(current, DIMS, split, measured, SHAPE.micro_batch, SHAPE.seq_len)
+        assert predicted == want  # what the profiles it started from said (the report's trace)
     final = step_seconds(truth, DIMS, list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows)))
     first = plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split
     start = step_seconds(truth, DIMS, list(zip(first.kv_groups, first.mlp_columns, first.vocab_rows)))

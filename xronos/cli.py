@@ -119,10 +119,13 @@ def cmd_plan(args) -> int:
     from xronos.splits import ModelDims
     from xronos.summary import print_plan
 
-    try:
-        raw = json.loads(Path(args.profiles).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise XronosError(f"cannot read profiles {args.profiles!r}: {err}") from None
+    raw = []
+    for path in args.profiles:  # a list of profiles, or one profile per file (as the cache keeps them)
+        try:
+            loaded = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise XronosError(f"cannot read profiles {path!r}: {err}") from None
+        raw += loaded if isinstance(loaded, list) else [loaded]
     profiles = TypeAdapter(list[DeviceProfile]).validate_python(raw)
     dims = ModelDims.from_config(load_config(args.model))
     shapes = {p.shape for p in profiles}
@@ -316,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser("plan", help="the partition plan for measured device profiles, offline")
-    plan.add_argument("--profiles", required=True, help="JSON list of device profiles")
+    plan.add_argument("--profiles", required=True, nargs="+", metavar="FILE",
+                      help="JSON list of device profiles, or one profile per file (devices in file order)")
     plan.add_argument("--model", required=True, help="the model directory the job will train")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
