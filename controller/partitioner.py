@@ -318,9 +318,11 @@ def attention_layout(floors: list[float], per_group: list[float], groups: int, r
 ROW_SHARE_MIN_GAIN = 0.03
 """Row shares are used only when they predict a step this much shorter than whole groups.
 
-Their cost is the least certain part of the model (attention on fewer rows, the hooks, the
-shared gradients' all-reduce under a slow peer), and side-by-side runs of the strong bench
-measured a predicted 2% gain as none; a whole-group plan is also the one a re-plan
+Their cost is the least certain part of the model: attention on a quarter of the rows costs a
+slow device 1.4-1.7x a quarter of a group (per-call work does not shrink), and a segment
+that three devices finish together lasts as long as the latest one's jitter. Side by side
+on the strong bench the row-shared layout the model favours by 2% measured 9-21% slower
+(`benchmarks/attention_share_bench.py`); a whole-group plan is also the one a re-plan
 keeps most stably."""
 
 
