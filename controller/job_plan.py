@@ -89,7 +89,7 @@ def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: 
     excluded = [ExcludedDevice(device=d, speed=speeds[d], reason=plan.reasons[d] or "left out")
                 for d, r in enumerate(plan.ranks) if r is None]
     update: dict = {"excluded": excluded, "predicted_step_seconds": plan.predicted_step_seconds,
-                    "predicted_idle_ratio": plan.predicted_idle_ratio}
+                    "predicted_idle_ratio": plan.predicted_idle_ratio, "profiles": profiles}
     if report.split is not None and job.mode != "pp":
         members = [profiles[d] for d in plan.members]
         update["predicted_step_seconds"] = split_step_seconds(members, dims, report.split) * job.grad_accum

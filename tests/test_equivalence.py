@@ -8,6 +8,8 @@ ranks sharing a KV group by rows of each micro-batch.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,6 +19,7 @@ from edge_node.launcher import run_local
 from edge_node.model_io import full_param_shapes, load_config
 from edge_node.tp.plan import param_slice
 from tests.conftest import SEQ_LEN
+from xronos.cli import main
 from xronos.job import JobOptions
 from xronos.splits import ModelDims, ShardSplit
 
@@ -136,7 +139,7 @@ def test_pipeline_baseline_equals_single(name, layers, model_dir, data_file, sin
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-4, msg=key)
 
 
-def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_runs, tmp_path, monkeypatch):
+def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_runs, tmp_path, monkeypatch, capsys):
     """Profile, plan, re-plan after one timed step (re-sharding in place if the split moves): same training."""
     monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
     ref, _ = single_runs("gqa_tied")
@@ -154,3 +157,9 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     assert all(s > 0 for s in check.measured_compute_seconds + check.predicted_compute_seconds)
     assert check.new_split is None or check.new_split == report.split  # the only check: the last split
     assert report.predicted_idle_ratio is not None and 0 <= report.predicted_idle_ratio < 1  # the plan's
+    # the report keeps the profiles it planned with: `xronos plan` on it predicts the same idle
+    assert len(report.profiles) == 3
+    (tmp_path / "report.json").write_text(report.model_dump_json())
+    capsys.readouterr()
+    assert main(["plan", "--profiles", str(tmp_path / "report.json"), "--model", str(model_dir("gqa_tied")), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_idle_ratio"] == pytest.approx(report.predicted_idle_ratio)

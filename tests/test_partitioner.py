@@ -223,6 +223,17 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
         file.write_text(p.model_dump_json())
     assert main(["plan", "--profiles", *map(str, singles), "--model", str(model_dir("mha_untied"))]) == 0
     assert capsys.readouterr().out == listed
+    # the profiles a xronos run planned with, from its report or from a bench's JSON
+    dumped = [p.model_dump() for p in profiles]
+    documents = {"report.json": {"mode": "xronos", "profiles": dumped},
+                 "bench.json": {"speeds": [1, 0.5, 0.25], "reports": {"tp": {"mode": "tp"}, "xronos": {"mode": "xronos", "profiles": dumped}}}}
+    for name, document in documents.items():
+        (tmp_path / name).write_text(json.dumps(document))
+        assert main(["plan", "--profiles", str(tmp_path / name), "--model", str(model_dir("mha_untied"))]) == 0
+        assert capsys.readouterr().out == listed
+    (tmp_path / "tp.json").write_text(json.dumps({"mode": "tp", "profiles": []}))
+    assert main(["plan", "--profiles", str(tmp_path / "tp.json"), "--model", str(model_dir("mha_untied"))]) == 2
+    assert "holds no profiles" in capsys.readouterr().err
     path.write_text("[{\"device\": 1}]")
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 2
 

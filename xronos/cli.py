@@ -108,6 +108,20 @@ def cmd_run(args) -> int:
     return 0
 
 
+def profiles_in(document, path: str) -> list:
+    """The profiles a JSON document holds: a list of profiles, one profile (as the cache keeps
+    them), a `xronos run --report` of mode xronos, or a `xronos bench --json` (its xronos run)."""
+    if isinstance(document, dict) and "reports" in document:
+        document = document["reports"].get("xronos") or {}
+        if not document:
+            raise XronosError(f"{path}: this bench ran no xronos mode, so it planned from no profiles")
+    if isinstance(document, dict) and "mode" in document:
+        if not document.get("profiles"):
+            raise XronosError(f"{path}: this report holds no profiles (only mode xronos plans from them)")
+        return document["profiles"]
+    return document if isinstance(document, list) else [document]
+
+
 def cmd_plan(args) -> int:
     import json
 
@@ -120,12 +134,12 @@ def cmd_plan(args) -> int:
     from xronos.summary import print_plan
 
     raw = []
-    for path in args.profiles:  # a list of profiles, or one profile per file (as the cache keeps them)
+    for path in args.profiles:
         try:
             loaded = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise XronosError(f"cannot read profiles {path!r}: {err}") from None
-        raw += loaded if isinstance(loaded, list) else [loaded]
+        raw += profiles_in(loaded, path)
     profiles = TypeAdapter(list[DeviceProfile]).validate_python(raw)
     dims = ModelDims.from_config(load_config(args.model))
     shapes = {p.shape for p in profiles}
@@ -320,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="the partition plan for measured device profiles, offline")
     plan.add_argument("--profiles", required=True, nargs="+", metavar="FILE",
-                      help="JSON list of device profiles, or one profile per file (devices in file order)")
+                      help="JSON list of device profiles, one profile per file (devices in file order), "
+                           "or the JSON of a xronos run (--report) or bench (--json): the profiles it planned with")
     plan.add_argument("--model", required=True, help="the model directory the job will train")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
