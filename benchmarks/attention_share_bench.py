@@ -18,7 +18,8 @@ fraction. This measures whether it does, in two parts:
    alternating N times so the machine's drift hits both: step, idle, and per
    device compute / communication / idle seconds per step.
 
-Not a test: numbers, to be quoted. Needs root and cgroup v1 (as `xronos run`).
+Not a test: numbers, to be quoted. Quotas as in `xronos run` (cgroup v1 as root, else the
+duty-cycle fallback); the row layouts are quarters of a 4-row micro-batch.
 
     python benchmarks/attention_share_bench.py --ab-rounds 3
 """
@@ -27,10 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch  # imported here, before a worker joins its quota: startup is not what is timed
+from transformers import AutoConfig
+from transformers.masking_utils import create_causal_mask
+
+from edge_node.profiler import _best_seconds, _training_step, _variant
+from xronos.splits import ModelDims
 
 HEADS_PER_GROUP = 3
 """The layouts below are for SmolLM2's attention: 3 KV groups of 3 query heads."""
@@ -55,13 +64,6 @@ LAYOUTS = {
 
 def time_variants(model_dir: str, batch: int, seq_len: int) -> dict[str, float]:
     """Seconds of each variant on this process (already under its quota)."""
-    import torch
-    from transformers import AutoConfig
-    from transformers.masking_utils import create_causal_mask
-
-    from edge_node.profiler import _best_seconds, _training_step, _variant
-    from xronos.splits import ModelDims
-
     torch.set_num_threads(1)
     config = AutoConfig.from_pretrained(model_dir)
     dims = ModelDims.from_config(config)
@@ -84,7 +86,7 @@ def measure_speed(model_dir: str, speed: float, batch: int, seq_len: int) -> dic
     """`time_variants` in a child process under a CPU quota of `speed` cores, pinned to one core."""
     from edge_node.cpu_quota import make_quota, start_under
 
-    quota = make_quota(f"xronos-attn-bench-{round(speed * 1000)}", speed)
+    quota = make_quota(f"xronos-attn-bench-{os.getpid()}-{round(speed * 1000)}", speed)
     try:
         child = subprocess.Popen(
             ["taskset", "-c", "1", sys.executable, __file__, "--worker", quota.procs_file or "",
@@ -153,8 +155,10 @@ def main() -> None:
         print(json.dumps(time_variants(args.model, args.batch_size, args.seq_len)))
         return
     speeds = [float(s) for s in args.speeds.split(",")]
-    if len(speeds) != 3:
-        sys.exit("error: --speeds must list 3 speeds (the layouts are for 3 devices), fastest first")
+    if len(speeds) != 3 or speeds != sorted(speeds, reverse=True):
+        sys.exit("error: --speeds must list 3 speeds, fastest first (the layouts are for 3 devices)")
+    if args.batch_size != 4:
+        sys.exit("error: --batch-size must be 4 (the row layouts are quarters of a 4-row micro-batch)")
 
     from transformers.utils import logging as hf_logging
 

@@ -320,10 +320,11 @@ ROW_SHARE_MIN_GAIN = 0.03
 
 Their cost is the least certain part of the model: attention on a quarter of the rows costs a
 slow device 1.4-1.7x a quarter of a group (per-call work does not shrink), and a segment
-that three devices finish together lasts as long as the latest one's jitter. Side by side
-on the strong bench the row-shared layout the model favours by 2% measured 9-21% slower
-(`benchmarks/attention_share_bench.py`); a whole-group plan is also the one a re-plan
-keeps most stably."""
+that three devices finish together lasts as long as the latest one's jitter. On the strong
+bench's model and speeds, whole jobs with the fixed split 2/1[0:3]/1[3:4] (a layout this model
+predicts 2% faster than 2/1/0) measured 9-21% slower than 2/1/0, round by round
+(`benchmarks/attention_share_bench.py --ab-rounds 3`); a whole-group plan is also the one a
+re-plan keeps most stably."""
 
 
 def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False):

@@ -111,13 +111,12 @@ def cmd_run(args) -> int:
 def profiles_in(document, path: str) -> list:
     """The profiles a JSON document holds: a list of profiles, one profile (as the cache keeps
     them), a `xronos run --report` of mode xronos, or a `xronos bench --json` (its xronos run)."""
-    if isinstance(document, dict) and "reports" in document:
-        document = document["reports"].get("xronos") or {}
-        if not document:
-            raise XronosError(f"{path}: this bench ran no xronos mode, so it planned from no profiles")
-    if isinstance(document, dict) and "mode" in document:
+    if isinstance(document, dict) and isinstance(document.get("reports"), dict):
+        reports = document["reports"]
+        document = reports.get("xronos") or next((r for r in reports.values() if isinstance(r, dict) and r.get("profiles")), {})
+    if isinstance(document, dict) and ("mode" in document or "reports" in document):
         if not document.get("profiles"):
-            raise XronosError(f"{path}: this report holds no profiles (only mode xronos plans from them)")
+            raise XronosError(f"{path}: this run was not profiled (a fixed split, or mode tp or single), so it holds no profiles")
         return document["profiles"]
     return document if isinstance(document, list) else [document]
 

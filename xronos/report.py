@@ -114,9 +114,10 @@ class RunReport(BaseModel):
     replans: list[ReplanCheck] = []
     """Mode xronos: every re-plan check, in order (a resumed job's too: checkpoints keep them)."""
     profiles: list[DeviceProfile] = []
-    """Modes that profile (xronos, pp): every device's profile the plan was made from, in device
-    order (left-out devices too), so that `xronos plan --profiles REPORT` re-derives a xronos plan
-    and its predictions without hunting for them in the profile cache."""
+    """Runs that were profiled (xronos and pp locally; every mode a controller plans): every
+    device's profile the plan was made from, in device order (left-out devices too), so that
+    `xronos plan --profiles REPORT` re-derives a xronos plan and its predictions without hunting
+    for them in the profile cache."""
 
 
 WARMUP_STEPS = 2
