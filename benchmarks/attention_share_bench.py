@@ -117,6 +117,7 @@ def print_segments(speeds: list[float], timed: dict[float, dict[str, float]]) ->
 def run_ab(model_dir: str, data: str, speeds: list[float], rounds: int, steps: int, batch: int, seq_len: int) -> None:
     from edge_node.launcher import run_local
     from xronos.job import JobOptions
+    from xronos.summary import node_seconds
 
     layouts = {
         "whole 2/1/0": {"kv_groups": [2, 1, 0]},
@@ -129,9 +130,7 @@ def run_ab(model_dir: str, data: str, speeds: list[float], rounds: int, steps: i
                 job = JobOptions(model=model_dir, data=data, output=out, mode="xronos", steps=steps,
                                  batch_size=batch, seq_len=seq_len, lr=1e-4)
                 r = run_local(job, len(speeds), speeds=speeds, split_override=override, show_progress=False)
-                n = r.measured_steps
-                per = " ".join(f"[{d.speed:g}] {d.compute_seconds / n:.2f}/{d.comm_seconds / n:.2f}/{d.idle_seconds / n:.2f}"
-                               for d in r.nodes)
+                per = " ".join(node_seconds(d, r.measured_steps) for d in r.nodes)
                 print(f"  {name:<22} step {r.mean_step_seconds:.3f} s  idle {r.idle_ratio:5.1%}   compute/comm/idle {per}",
                       flush=True)
 

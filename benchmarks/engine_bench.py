@@ -18,6 +18,7 @@ from pathlib import Path
 from edge_node.launcher import run_local
 from edge_node.toy_model import SMOL_SHAPES, make_data, make_model
 from xronos.job import JobOptions
+from xronos.summary import node_seconds
 
 
 
@@ -60,11 +61,7 @@ def main() -> None:
     for mode, r in reports.items():
         vs_tp = f"{r.mean_step_seconds / base.mean_step_seconds:.2f}" if base else "-"
         vs_ideal = f"{r.mean_step_seconds / ideal:.2f}" if ideal else "-"
-        per = "  ".join(
-            f"[{n.speed:g}] {n.compute_seconds / r.measured_steps:.2f}/{n.comm_seconds / r.measured_steps:.2f}/"
-            f"{n.idle_seconds / r.measured_steps:.2f}"
-            for n in r.nodes
-        )
+        per = "  ".join(node_seconds(n, r.measured_steps) for n in r.nodes)
         print(f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>6} {vs_ideal:>8} {r.idle_ratio:>6.1%}  {per}")
     if ideal:
         print(f"compute-only ideal: {ideal:.3f} s/step (single-core step / sum of speeds)")

@@ -233,7 +233,10 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
         assert capsys.readouterr().out == listed
     (tmp_path / "tp.json").write_text(json.dumps({"mode": "tp", "profiles": []}))
     assert main(["plan", "--profiles", str(tmp_path / "tp.json"), "--model", str(model_dir("mha_untied"))]) == 2
-    assert "was not profiled" in capsys.readouterr().err
+    assert "holds no profiles" in capsys.readouterr().err
+    (tmp_path / "tp-bench.json").write_text(json.dumps({"reports": {"tp": {"mode": "tp"}}}))
+    assert main(["plan", "--profiles", str(tmp_path / "tp-bench.json"), "--model", str(model_dir("mha_untied"))]) == 2
+    assert "holds no profiles" in capsys.readouterr().err
     path.write_text("[{\"device\": 1}]")
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 2
 

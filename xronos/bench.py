@@ -23,7 +23,7 @@ from edge_node.model_io import load_config
 from xronos.job import JobOptions
 from xronos.report import RunReport, describe_layout
 from xronos.splits import ModelDims
-from xronos.summary import replan_lines
+from xronos.summary import node_seconds, replan_lines
 
 
 class BenchResult(BaseModel):
@@ -132,8 +132,7 @@ def print_bench(result: BenchResult) -> None:
           " (profiled modes: + compute stall = measured / profiled compute - 1)")
     for mode, r in reports.items():
         per = "  ".join(
-            f"[{n.speed:g}] {n.compute_seconds / r.measured_steps:.2f}/{n.comm_seconds / r.measured_steps:.2f}/"
-            f"{n.idle_seconds / r.measured_steps:.2f}"
+            node_seconds(n, r.measured_steps)
             + (f" stall {compute_stall(n, r.measured_steps):+.0%}" if n.predicted_compute_seconds else "")
             for n in r.nodes
         )

@@ -110,15 +110,19 @@ def cmd_run(args) -> int:
 
 def profiles_in(document, path: str) -> list:
     """The profiles a JSON document holds: a list of profiles, one profile (as the cache keeps
-    them), a `xronos run --report` of mode xronos, or a `xronos bench --json` (its xronos run)."""
-    if isinstance(document, dict) and isinstance(document.get("reports"), dict):
+    them), a `xronos run --report` of a profiled run, or a `xronos bench --json` (its xronos run)."""
+    if isinstance(document, list):
+        return document
+    if not isinstance(document, dict) or not ("mode" in document or "reports" in document):
+        return [document]  # one profile
+    if "reports" in document:  # a bench
         reports = document["reports"]
-        document = reports.get("xronos") or next((r for r in reports.values() if isinstance(r, dict) and r.get("profiles")), {})
-    if isinstance(document, dict) and ("mode" in document or "reports" in document):
-        if not document.get("profiles"):
-            raise XronosError(f"{path}: this run was not profiled (a fixed split, or mode tp or single), so it holds no profiles")
-        return document["profiles"]
-    return document if isinstance(document, list) else [document]
+        document = reports.get("xronos") if isinstance(reports, dict) else None
+    profiles = document.get("profiles") if isinstance(document, dict) else None
+    if not profiles:
+        raise XronosError(f"{path}: holds no profiles (a run with a fixed split or of mode tp or single, "
+                          "or a bench without mode xronos)")
+    return profiles
 
 
 def cmd_plan(args) -> int:

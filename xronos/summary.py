@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from xronos.report import RunReport, describe_layout
+from xronos.report import NodeReport, RunReport, describe_layout
 from xronos.splits import kv_label
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f}"
+
+
+def node_seconds(node: NodeReport, measured_steps: int) -> str:
+    """'[speed] compute/comm/idle': one device's seconds per measured step, as the benches print them."""
+    return (f"[{node.speed:g}] {node.compute_seconds / measured_steps:.2f}/{node.comm_seconds / measured_steps:.2f}/"
+            f"{node.idle_seconds / measured_steps:.2f}")
 
 
 def print_report(report: RunReport) -> None:
