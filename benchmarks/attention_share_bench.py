@@ -38,7 +38,7 @@ import torch  # imported here, before a worker joins its quota: startup is not w
 from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
-from edge_node.profiler import _best_seconds, _training_step, _variant
+from edge_node.profiler import _mean_seconds, _training_step, _variant
 from xronos.splits import ModelDims
 
 HEADS_PER_GROUP = 3
@@ -78,7 +78,7 @@ def time_variants(model_dir: str, batch: int, seq_len: int) -> dict[str, float]:
         rope = model.rotary_emb(h, position_ids=positions)
         step = _training_step(lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
                               list(layer.self_attn.parameters()))
-        seconds[name] = min(_best_seconds({name: step})[name] for _ in range(3))
+        seconds[name] = min(_mean_seconds({name: step})[name] for _ in range(3))
     return seconds
 
 

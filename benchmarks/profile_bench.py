@@ -20,6 +20,7 @@ from pathlib import Path
 
 from edge_node.cpu_quota import make_quota
 from edge_node.toy_model import SMOL_SHAPES, make_model
+from xronos.profiles import COMPUTE_FIELDS
 
 CHILD = """
 import sys
@@ -43,9 +44,8 @@ def main() -> None:
             out, _ = child.communicate()
             quota.close()
             p = json.loads(out)
-            units = {k: round(p[k] * 1e3, 2) for k in ("kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds",
-                                                       "layer_fixed_seconds", "allreduce_seconds_per_mib")}
-            print(f"speed {speed:g}: profile took {p['profile_seconds']:.2f} s; ms per unit {units}", flush=True)
+            units = {k.removesuffix("_seconds"): round(p[k] * 1e3, 2) for k in (*COMPUTE_FIELDS, "allreduce_seconds_per_mib")}
+            print(f"speed {speed:g}: profile took {p['profile_seconds']:.2f} s; ms {units}", flush=True)
 
 
 if __name__ == "__main__":

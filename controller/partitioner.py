@@ -3,9 +3,9 @@
 Model of one step (per micro-batch; pure arithmetic on measured profiles).
 Every all-reduce is a barrier, so a step is a sum of segments, and each
 segment lasts as long as its slowest device:
-    attention segment of a layer:  max_i (layer_fixed_i / 2 + g_i * kv_i)
-    MLP segment of a layer:        max_i (layer_fixed_i / 2 + m_i * mlp_i)
-    vocabulary segment (once):     max_i (step_fixed_i + v_i * vocab_i)
+    attention segment of a layer:  max_i (layer_fixed_i / 2 + [g_i > 0] kv_fixed_i + g_i * kv_i)
+    MLP segment of a layer:        max_i (layer_fixed_i / 2 + [m_i > 0] mlp_fixed_i + m_i * mlp_i)
+    vocabulary segment (once):     max_i (step_fixed_i + [v_i > 0] vocab_fixed_i + v_i * vocab_i)
     step = L * (attention + MLP) + vocabulary + collectives
     collectives = n_allreduce * max over participants (latency_j + MiB * per_mib_j)
                   * (1 + S * group MiB / activation MiB / n_allreduce)
@@ -13,6 +13,9 @@ g_i counts KV groups, or a fraction of one: neighbouring ranks may share a
 group by rows of the micro-batch (see `xronos.splits`), at the price of one
 all-reduce per step of the S shared groups' gradients (costed like activation
 all-reduces of the same size, so it scales each device's collective cost).
+A component's fixed cost (per-call work that does not shrink with the share)
+is paid only by a device holding some of it: a small share on a slow device
+costs more than its fraction, and the plan knows it.
 (Balancing only each device's total would let one device do all the
 attention while the others wait, then the reverse in the MLP.) Every
 participant takes part in every all-reduce at its own CPU speed, so the
@@ -34,13 +37,14 @@ from __future__ import annotations
 import functools
 import heapq
 import time
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.errors import XronosError
-from xronos.profiles import DeviceProfile
+from xronos.profiles import COMPUTE_FIELDS, DeviceProfile
 from xronos.report import idle_seconds
 from xronos.splits import ModelDims, ShardSplit
 
@@ -114,19 +118,31 @@ def shared_grad_seconds(p: DeviceProfile, dims: ModelDims, groups: int) -> float
     return groups * group_mib(dims) / mib * collective_seconds(p, dims) / allreduces_per_step(dims)
 
 
-def unit_costs(p: DeviceProfile) -> tuple[float, float, float, float, float]:
-    """(fixed per layer, per KV group per layer, per MLP block per layer, fixed per step, per vocabulary block)."""
-    return p.layer_fixed_seconds, p.kv_group_seconds, p.mlp_block_seconds, p.step_fixed_seconds, p.vocab_block_seconds
+class Segment(NamedTuple):
+    """One segment's cost for one device: floor (paid by every participant) + [units > 0] fixed + units * per_unit."""
+
+    floor: float
+    fixed: float
+    per_unit: float
+
+    def seconds(self, units: float) -> float:
+        return self.floor + (self.fixed if units > 0 else 0.0) + units * self.per_unit
 
 
-def segments(p: DeviceProfile, dims: ModelDims, kv_groups: int, mlp_columns: float, vocab_rows: float):
-    """This device's (attention, MLP, vocabulary) segment seconds for a share."""
-    fixed, per_g, per_m, step_fixed, per_v = unit_costs(p)
+def unit_costs(p: DeviceProfile) -> tuple[Segment, Segment, Segment]:
+    """(attention per layer, MLP per layer, vocabulary per step) in units of KV groups, MLP blocks
+    and vocabulary blocks. The replicated norms of a layer are split between its two segments."""
     return (
-        fixed / 2 + kv_groups * per_g,
-        fixed / 2 + mlp_columns / dims.mlp_block * per_m,
-        step_fixed + vocab_rows / dims.vocab_block * per_v,
+        Segment(p.layer_fixed_seconds / 2, p.kv_fixed_seconds, p.kv_group_seconds),
+        Segment(p.layer_fixed_seconds / 2, p.mlp_fixed_seconds, p.mlp_block_seconds),
+        Segment(p.step_fixed_seconds, p.vocab_fixed_seconds, p.vocab_block_seconds),
     )
+
+
+def segments(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: float, vocab_rows: float):
+    """This device's (attention, MLP, vocabulary) segment seconds for a share."""
+    attn, mlp, vocab = unit_costs(p)
+    return attn.seconds(kv_groups), mlp.seconds(mlp_columns / dims.mlp_block), vocab.seconds(vocab_rows / dims.vocab_block)
 
 
 def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: int, mlp_columns: float, vocab_rows: float) -> float:
@@ -204,36 +220,38 @@ def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int],
     With `relax`, the LP relaxation: a lower bound on the step, in milliseconds.
     """
     k, layers = len(members), dims.num_layers
-    G, MB, VB = _units(dims)
+    units = _units(dims)
     costs = [unit_costs(profiles[i]) for i in members]
     fixed_b, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len)
-    # variables: g[0..k) m[k..2k) v[2k..3k) Ta Tm Tv
-    Ta, Tm, Tv = 3 * k, 3 * k + 1, 3 * k + 2
+    # variables: g[0..k) m[k..2k) v[2k..3k), whether each is > 0: [3k..6k), then Ta Tm Tv
+    T = [6 * k, 6 * k + 1, 6 * k + 2]
+    n_vars = 6 * k + 3
     rows, lo, hi = [], [], []
 
     def add(coeffs: dict[int, float], lower: float, upper: float):
-        row = np.zeros(3 * k + 3)
+        row = np.zeros(n_vars)
         for idx, c in coeffs.items():
             row[idx] += c
         rows.append(row)
         lo.append(lower)
         hi.append(upper)
 
-    add({i: 1 for i in range(k)}, G, G)
-    add({k + i: 1 for i in range(k)}, MB, MB)
-    add({2 * k + i: 1 for i in range(k)}, VB, VB)
-    for i, (fixed, per_g, per_m, step_fixed, per_v) in enumerate(costs):
-        add({Ta: 1, i: -per_g}, fixed / 2, np.inf)
-        add({Tm: 1, k + i: -per_m}, fixed / 2, np.inf)
-        add({Tv: 1, 2 * k + i: -per_v}, step_fixed, np.inf)
+    for s, total in enumerate(units):
+        add({s * k + i: 1 for i in range(k)}, total, total)
+    for i, device in enumerate(costs):
+        for s, (seg, total) in enumerate(zip(device, units)):
+            x, used = s * k + i, 3 * k + s * k + i
+            add({T[s]: 1, x: -seg.per_unit, used: -seg.fixed}, seg.floor, np.inf)  # T >= this device's seconds
+            add({x: 1, used: -total}, -np.inf, 0)  # units only where the fixed cost is paid
         gib = 2.0**30  # in GiB: rows of similar magnitude keep HiGHS fast
         add({i: kv_b / gib, k + i: mlp_b / gib, 2 * k + i: vocab_b / gib}, -np.inf,
             (profiles[members[i]].memory_bytes - fixed_b) / gib)
-    objective = np.zeros(3 * k + 3)
-    objective[[Ta, Tm, Tv]] = [layers, layers, 1]
-    integrality = np.r_[np.zeros(3 * k) if relax else np.ones(3 * k), np.zeros(3)]
+    objective = np.zeros(n_vars)
+    objective[T] = [layers, layers, 1]
+    integrality = np.r_[np.zeros(6 * k) if relax else np.ones(6 * k), np.zeros(3)]
+    upper = np.r_[np.repeat(units, k), np.ones(3 * k), [np.inf] * 3]
     res = milp(objective, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(3 * k + 3), np.r_[[G] * k + [MB] * k + [VB] * k, [np.inf] * 3]), options=MILP_OPTIONS)
+               bounds=Bounds(np.zeros(n_vars), upper), options=MILP_OPTIONS)
     if res.x is None:
         return None
     x = np.round(res.x[: 3 * k]).astype(int).tolist()
@@ -241,39 +259,41 @@ def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int],
     return res.fun + coll, coll, [(g, None) for g in x[:k]], x[k : 2 * k], x[2 * k :], res.status == 0
 
 
-def water_fill(floors: list[float], per_unit: list[float], units: int) -> tuple[float, list[int]]:
+def water_fill(costs: list[Segment], units: int) -> tuple[float, list[int]]:
     """Exact integer min-max: give `units` one at a time to the device that would finish first.
 
-    Device i takes floors[i] + per_unit[i] * u_i; the greedy minimises the largest of these
-    (each unit goes where it raises the maximum least, so no exchange can improve it).
+    Device i takes costs[i].seconds(u_i), which never decreases in u_i (the first unit also
+    pays the fixed cost). The greedy is exact for any such costs: if T* is the optimum, each
+    device can take c_i = max{u : seconds(u) <= T*} units and the c_i add up to `units`; the
+    greedy takes a unit above T* only when every device is at its c_i, i.e. never.
     """
-    heap = [(floors[i] + per_unit[i], i) for i in range(len(floors))]
+    heap = [(c.seconds(1), i) for i, c in enumerate(costs)]
     heapq.heapify(heap)
-    take = [0] * len(floors)
+    take = [0] * len(costs)
     for _ in range(units):
         _, i = heapq.heappop(heap)
         take[i] += 1
-        heapq.heappush(heap, (floors[i] + per_unit[i] * (take[i] + 1), i))
-    return max(floors[i] + per_unit[i] * take[i] for i in range(len(floors))), take
+        heapq.heappush(heap, (costs[i].seconds(take[i] + 1), i))
+    return max(c.seconds(u) for c, u in zip(costs, take)), take
 
 
 Share = tuple[int, tuple[int, int] | None]
 """One rank's attention: (KV groups, None) or (1, (r0, r1)): rows r0..r1 of a shared group."""
 
 
-def attention_layout(floors: list[float], per_group: list[float], groups: int, rows: int, layers: int,
+def attention_layout(costs: list[Segment], groups: int, rows: int, layers: int,
                      share_seconds: float, bound: float = float("inf")) -> tuple[float, list[Share]]:
     """The exact best attention split in rank order: whole groups, or rows of a shared group.
 
     Minimises layers * (slowest rank's attention seconds) + share_seconds * (groups shared).
-    Rank i holding k groups takes floors[i] + k * per_group[i]; r of the `rows` rows of a group,
-    floors[i] + r / rows * per_group[i]. Dynamic programming over (rank, groups done, rows of
+    Rank i holding k groups takes costs[i].seconds(k); r of the `rows` rows of a group,
+    costs[i].seconds(r / rows) (the fixed cost in full). Dynamic programming over (rank, groups done, rows of
     the open group taken), keeping for each state the Pareto front of (slowest seconds, shares);
     every whole-group split is among the candidates (groups are interchangeable, so rank order
     loses nothing for them). Moves slower than `bound` (a known solution's slowest rank) are
     skipped: they cannot be part of a better one.
     """
-    n = len(floors)
+    n = len(costs)
 
     @functools.cache
     def front(i: int, g: int, taken: int) -> tuple:
@@ -282,15 +302,15 @@ def attention_layout(floors: list[float], per_group: list[float], groups: int, r
             return ((0.0, 0, None, None),) if g == groups and taken == 0 else ()
         moves = []
         if taken == 0:
-            moves += [(k * per_group[i], (g + k, 0), 0, (k, None)) for k in range(groups - g + 1)]
+            moves += [(k, (g + k, 0), 0, (k, None)) for k in range(groups - g + 1)]
             if g < groups:
-                moves += [(r / rows * per_group[i], (g, r), 1, (1, (0, r))) for r in range(1, rows)]
+                moves += [(r / rows, (g, r), 1, (1, (0, r))) for r in range(1, rows)]
         else:
-            moves += [(r / rows * per_group[i], (g + 1, 0) if taken + r == rows else (g, taken + r), 0,
+            moves += [(r / rows, (g + 1, 0) if taken + r == rows else (g, taken + r), 0,
                        (1, (taken, taken + r))) for r in range(1, rows - taken + 1)]
         found = []
-        for work, state, new_share, share in moves:
-            mine = floors[i] + work
+        for units, state, new_share, share in moves:
+            mine = costs[i].seconds(units)
             if mine > bound * (1 + 1e-12):
                 continue
             for slowest, shares, _, _ in front(i + 1, *state):
@@ -319,10 +339,11 @@ ROW_SHARE_MIN_GAIN = 0.03
 """Row shares are used only when they predict a step this much shorter than whole groups.
 
 Their cost is the least certain part of the model: attention on a quarter of the rows costs a
-slow device 1.4-1.7x a quarter of a group (per-call work does not shrink), and a segment
-that three devices finish together lasts as long as the latest one's jitter. On the strong
-bench's model and speeds, whole jobs with the fixed split 2/1[0:3]/1[3:4] (a layout this model
-predicts 2% faster than 2/1/0) measured 9-21% slower than 2/1/0, round by round
+slow device 1.4-1.7x a quarter of a group (per-call work does not shrink; the profile's fixed
+attention cost prices part of it), and a segment that three devices finish together lasts as
+long as the latest one's jitter. On the strong bench's model and speeds, whole jobs with the
+fixed split 2/1[0:3]/1[3:4] (a layout the model without fixed costs predicted 2% faster than
+2/1/0) measured 9-21% slower than 2/1/0, round by round
 (`benchmarks/attention_share_bench.py --ab-rounds 3`); a whole-group plan is also the one a
 re-plan keeps most stably."""
 
@@ -333,31 +354,32 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     (or water-filled in whole groups, and then only a lower bound when `rows` > 1).
     Returns (step, collectives, attention shares, MLP blocks, vocabulary blocks)."""
     G, MB, VB = _units(dims)
-    c = [unit_costs(profiles[i]) for i in members]
-    floors, per_group = [x[0] / 2 for x in c], [x[1] for x in c]
-    ta, g = water_fill(floors, per_group, G)
-    tm, m = water_fill([x[0] / 2 for x in c], [x[2] for x in c], MB)
-    tv, v = water_fill([x[3] for x in c], [x[4] for x in c], VB)
+    attn, mlp, vocab = zip(*(unit_costs(profiles[i]) for i in members))
+    ta, g = water_fill(attn, G)
+    tm, m = water_fill(mlp, MB)
+    tv, v = water_fill(vocab, VB)
     coll = max(collective_seconds(profiles[i], dims) for i in members) if len(members) > 1 else 0.0
     rest = dims.num_layers * tm + tv + coll
     if rows == 1 or len(members) == 1:
         return dims.num_layers * ta + rest, coll, [(k, None) for k in g], m, v
     if whole_groups:  # row shares can only go as low as the fractional water level
-        return dims.num_layers * _fractional_level(floors, per_group, G) + rest, coll, [(k, None) for k in g], m, v
+        return dims.num_layers * _fractional_level(attn, G) + rest, coll, [(k, None) for k in g], m, v
     share = max(shared_grad_seconds(profiles[i], dims, 1) for i in members)
-    attention, layout = attention_layout(floors, per_group, G, rows, dims.num_layers, share, bound=ta)
+    attention, layout = attention_layout(list(attn), G, rows, dims.num_layers, share, bound=ta)
     whole = dims.num_layers * ta + rest
     if attention + rest > whole * (1 - ROW_SHARE_MIN_GAIN):
         return whole, coll, [(k, None) for k in g], m, v
     return attention + rest, coll, layout, m, v
 
 
-def _fractional_level(floors: list[float], per_unit: list[float], units: int) -> float:
-    """The water level if units could be split at will: a lower bound on any split's slowest device.
+def _fractional_level(costs: list[Segment], units: int) -> float:
+    """The water level if units could be split at will and cost no fixed seconds: a lower bound
+    on any split's slowest device.
 
     Every device pays its floor, so the level is at least the highest floor, and from there
     each device fills at its own rate: level = (units + sum f/p) / sum 1/p, in closed form.
     """
+    floors, per_unit = [c.floor for c in costs], [c.per_unit for c in costs]
     if any(p <= 0 for p in per_unit):
         return max(floors)
     level = (units + sum(f / p for f, p in zip(floors, per_unit))) / sum(1 / p for p in per_unit)
@@ -365,13 +387,14 @@ def _fractional_level(floors: list[float], per_unit: list[float], units: int) ->
 
 
 def _closed_sets(profiles, dims) -> list[list[int]]:
-    """Candidate participant sets. Adding a device never slows a segment's water level, only
-    its floors (fixed seconds) and the collectives can rise, so some optimal set contains
+    """Candidate participant sets. Adding a device never slows a segment's water level (it may
+    take nothing, and then pays no component's fixed cost), only its floors (the replicated
+    work every participant does) and the collectives can rise, so some optimal set contains
     every device whose floors and collective cost are no larger than the set's maxima:
     enumerate those closures (duplicates removed; few when costs grow with slowness).
     For each distinct closure in the first two keys, the closures in the third are its
     prefixes in that key's order, so 64 devices take milliseconds."""
-    keys = np.array([(unit_costs(p)[0], unit_costs(p)[3], collective_seconds(p, dims)) for p in profiles])
+    keys = np.array([(unit_costs(p)[0].floor, unit_costs(p)[2].floor, collective_seconds(p, dims)) for p in profiles])
     found, seen = {}, set()
     for a in np.unique(keys[:, 0]):
         for b in np.unique(keys[:, 1]):
@@ -478,8 +501,7 @@ def recalibrate(profile: DeviceProfile, factor: float) -> DeviceProfile:
     often in collectives gets its quota back and computes faster). Its collective
     cost is left as measured.
     """
-    scaled = {k: getattr(profile, k) * factor for k in (
-        "kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds", "layer_fixed_seconds", "step_fixed_seconds")}
+    scaled = {k: getattr(profile, k) * factor for k in COMPUTE_FIELDS}
     return profile.model_copy(update=scaled)
 
 

@@ -34,7 +34,7 @@ class PipelinePlan(BaseModel):
 
 def head_seconds(p: DeviceProfile, dims: ModelDims) -> float:
     """Embedding, final norm, LM head and loss, one profiled micro-batch."""
-    return dims.vocab_size / dims.vocab_block * p.vocab_block_seconds + p.step_fixed_seconds
+    return dims.vocab_size / dims.vocab_block * p.vocab_block_seconds + p.vocab_fixed_seconds + p.step_fixed_seconds
 
 
 def split_layers(per_layer: list[float], head: float, n_layers: int) -> tuple[float, list[tuple[int, int]]]:

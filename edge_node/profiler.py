@@ -1,10 +1,14 @@
 """On-device profiling: how long this device takes per unit of a shard, at the job's shapes.
 
 The device times the components of one layer built from the job's own
-config (same hidden size, head size, activation, attention kernel) at a
-realistic shard size: attention over some KV groups, MLP over some column
-blocks, the norms, and the vocabulary-parallel LM head with its loss. Each
-timing is forward + backward + AdamW update, divided by its units. It also times
+config (same hidden size, head size, activation, attention kernel):
+attention over some KV groups, MLP over some column blocks, the norms, and
+the vocabulary-parallel LM head with its loss, each forward + backward +
+AdamW update. Each component is timed at two sizes, one unit and a realistic
+share, and fitted as fixed + units * per-unit: per-call work that does not
+shrink with a share (a tenth of the MLP costs more than a tenth of the MLP's
+time) is a large part of a small share, and a per-unit cost taken from a
+share alone over-predicts a larger one by 15-25% on small models. It also times
 its own share of an all-reduce (loopback socket transfer of the payload plus
 the reduction), because on a CPU device the collectives run on the same cores
 and at the same speed as the compute. About a second or two on a full core;
@@ -46,34 +50,38 @@ def _variant(config, dims: ModelDims, layers: int, groups: int, mlp: int, vocab:
     return AutoModelForCausalLM.from_config(c, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).train()
 
 
-WINDOW_SECONDS, WINDOWS = 0.12, 2
-"""Each timing is the better of two windows of at least 0.12 s: under a CPU quota (10 ms
-periods) a short run can fall inside one period's allowance and look full-speed, so a
-window spans many periods; of two windows the less disturbed one counts."""
+WINDOW_SECONDS, WINDOWS = 0.1, 2
+"""Each timing spans two windows of at least 0.1 s: under a CPU quota (10 ms periods) a short
+run can fall inside one period's allowance and look full-speed, so a window spans ten periods."""
 
 
-def _window_seconds(run) -> float:
-    """Mean wall time of `run()` over one window of at least WINDOW_SECONDS."""
+def _window(run) -> tuple[float, int]:
+    """(wall seconds, calls) of `run()` called over one window of at least WINDOW_SECONDS."""
     reps, start = 0, time.perf_counter()
     while reps < 1 or time.perf_counter() - start < WINDOW_SECONDS:
         run()
         reps += 1
-    return (time.perf_counter() - start) / reps
+    return time.perf_counter() - start, reps
 
 
-def _best_seconds(runs: dict[str, object]) -> dict[str, float]:
-    """Each `run()`'s mean wall time after one warm-up: the best of WINDOWS windows.
+def _mean_seconds(runs: dict[str, object]) -> dict[str, float]:
+    """Each `run()`'s mean wall time per call after one warm-up, over WINDOWS windows.
 
-    The windows take turns across the runs (a, b, c, a, b, c), so a disturbance
-    (another process, a hypervisor steal) spoils one window of one run, not both.
+    The windows take turns across the runs (a, b, c, a, b, c), so a passing disturbance
+    (another process, a hypervisor's steal) weighs on one window of each run it meets
+    rather than on all of one run's calls. The mean, not the best window: under a quota,
+    windows of the same work differ by tens of percent, and the best of two was ~10% faster
+    than the steps of the job it planned (it predicted the luckiest pace, not the usual one).
     """
     for run in runs.values():
         run()
-    best = dict.fromkeys(runs, float("inf"))
+    wall, calls = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0)
     for _ in range(WINDOWS):
         for name, run in runs.items():
-            best[name] = min(best[name], _window_seconds(run))
-    return best
+            seconds, reps = _window(run)
+            wall[name] += seconds
+            calls[name] += reps
+    return {name: wall[name] / calls[name] for name in runs}
 
 
 def _training_step(forward, params: list[torch.Tensor]):
@@ -118,6 +126,22 @@ class _Exchange:
         self.b.close()
 
 
+def fit_fixed_and_per_unit(one_unit: float, share: float, units: int) -> tuple[float, float]:
+    """(fixed, per-unit) seconds of a component from its time at one unit and at `units` units.
+
+    The line through both points; when noise makes it absurd (the share no slower than one
+    unit, or the line through zero fixed cost: superlinear), the share's mean per unit and no
+    fixed cost, which is what the share itself says.
+    """
+    if units <= 1:
+        return 0.0, share / max(units, 1)
+    per_unit = (share - one_unit) / (units - 1)
+    fixed = share - per_unit * units
+    if per_unit <= 0 or fixed < 0:
+        return 0.0, share / units
+    return fixed, per_unit
+
+
 def available_memory_bytes() -> int:
     """MemAvailable, or this cgroup's memory limit when that is smaller."""
     avail = 0
@@ -137,7 +161,7 @@ VOCAB_SAMPLE_ROWS = 3072
 before a quarter of it, and timing a quarter would take most of the profile's time; a small
 one needs its quarter, or the loss's fixed work swamps the per-row cost."""
 
-PROFILER_VERSION = 3
+PROFILER_VERSION = 4
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 
@@ -190,43 +214,47 @@ def profile_device(
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    # Each component is timed on its own at a realistic share (half the KV groups, a quarter
-    # of the MLP columns and of the vocabulary, the vocabulary capped at VOCAB_SAMPLE_ROWS),
-    # not as differences of whole-model timings: differences of noisy totals under a CPU
-    # quota are mostly noise.
-    groups = max(1, dims.num_kv_heads // 2)
-    mlp_blocks = max(1, dims.intermediate_size // dims.mlp_block // 4)
-    vocab_blocks = max(1, min(dims.vocab_size // dims.vocab_block // 4, VOCAB_SAMPLE_ROWS // dims.vocab_block))
-    model = _variant(config, dims, 1, groups, mlp_blocks * dims.mlp_block, 8)
-    layer = model.model.layers[0]
+    # Each component is timed on its own, at one unit and at a realistic share (half the KV
+    # groups but at least two, a quarter of the MLP columns and of the vocabulary, the
+    # vocabulary capped at VOCAB_SAMPLE_ROWS), not as differences of whole-model timings:
+    # differences of noisy totals under a CPU quota are mostly noise.
+    groups = max(min(2, dims.num_kv_heads), dims.num_kv_heads // 2)
+    mlp_units = dims.intermediate_size // dims.mlp_block
+    mlp_blocks = max(min(2, mlp_units), mlp_units // 4)
+    vocab_units = dims.vocab_size // dims.vocab_block
+    vocab_blocks = max(min(2, vocab_units), min(vocab_units // 4, VOCAB_SAMPLE_ROWS // dims.vocab_block))
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
     position_ids = torch.arange(seq_len).unsqueeze(0)
-    mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
-                              position_ids=position_ids)
-    rope = model.model.rotary_emb(h, position_ids=position_ids)
-    # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows.
-    head = torch.nn.Parameter(torch.randn(vocab_blocks * dims.vocab_block, dims.hidden_size) * 0.02)
-    embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
-    ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
+    runs = {}
+    for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
+        model = _variant(config, dims, 1, g, m * dims.mlp_block, 8)
+        layer = model.model.layers[0]
+        mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        rope = model.model.rotary_emb(h, position_ids=position_ids)
+        runs[f"attention-{size}"] = _training_step(
+            lambda layer=layer, rope=rope, mask=mask:
+                layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
+            list(layer.self_attn.parameters()))
+        runs[f"mlp-{size}"] = _training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()))
+        if size == "share":
+            runs["norms"] = _training_step(lambda layer=layer: layer.post_attention_layernorm(layer.input_layernorm(h)) + h,
+                                           [layer.input_layernorm.weight, layer.post_attention_layernorm.weight])
+        # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows.
+        head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02)
+        embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
+        ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
+        runs[f"vocab-{size}"] = _training_step(
+            lambda head=head, embed=embed, ids=ids:
+                causal_lm_loss(torch.nn.functional.linear(torch.nn.functional.embedding(ids, embed) + h, head), ids, 0),
+            list({id(p): p for p in (head, embed)}.values()))
     payload = micro_batch * seq_len * dims.hidden_size * 4
     with _Exchange(payload // 16) as small_exchange, _Exchange(payload) as large_exchange:
-        seconds = _best_seconds({
-            "attention": _training_step(
-                lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
-                list(layer.self_attn.parameters())),
-            "mlp": _training_step(lambda: layer.mlp(h), list(layer.mlp.parameters())),
-            "norms": _training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h,
-                                    [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]),
-            "vocab": _training_step(
-                lambda: causal_lm_loss(torch.nn.functional.linear(torch.nn.functional.embedding(ids, embed) + h, head),
-                                       ids, 0),
-                list({id(p): p for p in (head, embed)}.values())),
-            "small": small_exchange,
-            "large": large_exchange,
-        })
+        seconds = _mean_seconds(runs | {"small": small_exchange, "large": large_exchange})
 
-    per_group, per_mlp = seconds["attention"] / groups, seconds["mlp"] / mlp_blocks
-    per_vocab = seconds["vocab"] / vocab_blocks
+    kv_fixed, per_group = fit_fixed_and_per_unit(seconds["attention-unit"], seconds["attention-share"], groups)
+    mlp_fixed, per_mlp = fit_fixed_and_per_unit(seconds["mlp-unit"], seconds["mlp-share"], mlp_blocks)
+    vocab_fixed, per_vocab = fit_fixed_and_per_unit(seconds["vocab-unit"], seconds["vocab-share"], vocab_blocks)
     layer_fixed, step_fixed = seconds["norms"], seconds["norms"] / 2  # the final norm; the embedding lookup is cheap
     small, large = seconds["small"], seconds["large"]
     per_mib = max(0.0, (large - small) / ((payload - payload // 16) / 2**20))
@@ -236,6 +264,7 @@ def profile_device(
         device=device, speed_hint=speed_hint, shape=shape,
         kv_group_seconds=per_group, mlp_block_seconds=per_mlp, vocab_block_seconds=per_vocab,
         layer_fixed_seconds=layer_fixed, step_fixed_seconds=step_fixed,
+        kv_fixed_seconds=kv_fixed, mlp_fixed_seconds=mlp_fixed, vocab_fixed_seconds=vocab_fixed,
         allreduce_latency_seconds=latency, allreduce_seconds_per_mib=per_mib,
         memory_bytes=memory, address=address, profile_seconds=time.perf_counter() - started,
     )

@@ -19,7 +19,7 @@ from controller.partitioner import (
     unit_bytes,
 )
 from xronos.cli import main
-from xronos.profiles import DeviceProfile, ProfileShape
+from xronos.profiles import COMPUTE_FIELDS, DeviceProfile, ProfileShape
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
 
@@ -37,6 +37,8 @@ def profile(i, rng, slow=1.0, memory=1 << 40):
         vocab_block_seconds=rng.uniform(0.05, 0.2) * slow, layer_fixed_seconds=rng.uniform(0, 0.2) * slow,
         step_fixed_seconds=rng.uniform(0, 0.2) * slow, allreduce_latency_seconds=rng.uniform(0, 0.02) * slow,
         allreduce_seconds_per_mib=rng.uniform(0, 5) * slow, memory_bytes=memory,
+        kv_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow, mlp_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow,
+        vocab_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow,
     )
 
 
@@ -156,9 +158,8 @@ def test_the_plan_predicts_idle_as_the_report_measures_it():
     segment, an idle the plan predicts before any step runs."""
     dims = DIMS.model_copy(update={"num_heads": 6, "num_kv_heads": 3})
     rng = random.Random(3)
-    base = profile(0, rng)
-    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) * slow for k in (
-        "kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds", "layer_fixed_seconds", "step_fixed_seconds")}})
+    base = profile(0, rng).model_copy(update={"kv_fixed_seconds": 0.0})
+    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) * slow for k in COMPUTE_FIELDS}})
         for i, slow in enumerate([1, 2, 4])]
     plan = plan_partition(profiles, dims, 1, 8)
     assert plan.split.kv_groups == [2, 1, 0]
@@ -180,6 +181,27 @@ def test_a_device_that_costs_more_than_it_brings_is_left_out():
     poor = profile(1, rng).model_copy(update={"memory_bytes": 10})
     plan = plan_partition([fast, poor], DIMS, 2, 8)
     assert plan.devices[1].rank is None and plan.devices[1].reason.startswith("too little memory")
+
+
+def test_a_small_share_pays_its_fixed_cost():
+    """Per-call work that does not shrink with a share (the profile's fixed seconds) is paid by a
+    device holding any of it: linear costs give the slow device a few MLP blocks; with a fixed
+    cost as long as the fast device's whole MLP, any share would make it the slowest: it gets none."""
+    rng = random.Random(5)
+    zero = {"kv_fixed_seconds": 0.0, "mlp_fixed_seconds": 0.0, "vocab_fixed_seconds": 0.0,
+            "allreduce_latency_seconds": 0.0, "allreduce_seconds_per_mib": 0.0}
+    fast = profile(0, rng).model_copy(update=zero)
+    slow = fast.model_copy(update={"device": "d1", **{k: getattr(fast, k) * 3 for k in COMPUTE_FIELDS}})
+    linear = plan_partition([fast, slow], DIMS, 2, 8)
+    assert 0 < linear.split.mlp_columns[1] < linear.split.mlp_columns[0]
+    whole = 16 * fast.mlp_block_seconds  # the fast device's whole MLP segment, above its floor
+    fixed = slow.model_copy(update={"mlp_fixed_seconds": whole})
+    plan = plan_partition([fast, fixed], DIMS, 2, 8)
+    assert plan.split.mlp_columns == [16, 0]
+    assert plan.predicted_step_seconds == pytest.approx(brute_force([fast, fixed]), rel=1e-9)
+    assert plan.devices[1].compute_seconds == pytest.approx(  # its own segments, no MLP fixed cost
+        DIMS.num_layers * sum(segments(fixed, DIMS, plan.split.kv_groups[1], 0, 0)[:2])
+        + segments(fixed, DIMS, 0, 0, plan.split.vocab_rows[1])[2])
 
 
 def test_tens_of_devices_plan_quickly():

@@ -28,6 +28,7 @@ shapes = st.builds(ProfileShape, hidden_size=st.integers(1, 8192), head_dim=st.i
                    mlp_block=st.integers(1, 256), vocab_block=st.integers(1, 1024), threads=st.integers(1, 64))
 profiles = st.builds(DeviceProfile, device=ids, shape=shapes, kv_group_seconds=secs, mlp_block_seconds=secs,
                      vocab_block_seconds=secs, layer_fixed_seconds=secs, step_fixed_seconds=secs,
+                     kv_fixed_seconds=secs, mlp_fixed_seconds=secs, vocab_fixed_seconds=secs,
                      allreduce_latency_seconds=secs, allreduce_seconds_per_mib=secs,
                      memory_bytes=st.integers(1, 2**40))
 

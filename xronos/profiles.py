@@ -4,7 +4,11 @@ Seconds, not FLOP estimates: every number is timed on the device itself,
 under whatever CPU share it really has. Units match the split: one KV group,
 one block of MLP columns and one block of vocabulary rows, each costed for
 forward + backward + the AdamW update of its parameters, in one layer (the
-vocabulary has no layers). Travels as JSON (a profile file, an MQTT message).
+vocabulary has no layers). Each component also has a fixed cost: the per-call
+work that does not shrink with the share (kernel launches, rotary embedding,
+the loss's bookkeeping, Python), paid once by a device holding any of it. A
+share of u units costs fixed + u * per-unit: a device's small share costs more
+than its fraction of a whole. Travels as JSON (a profile file, an MQTT message).
 """
 
 from __future__ import annotations
@@ -44,11 +48,19 @@ class DeviceProfile(BaseModel):
     vocab_block_seconds: NonNegativeFloat
     layer_fixed_seconds: NonNegativeFloat = Field(description="Replicated work per layer (norms, residuals).")
     step_fixed_seconds: NonNegativeFloat = Field(description="Replicated work per micro-step outside the layers.")
+    kv_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per layer, for holding any attention at all.")
+    mlp_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per layer, for holding any MLP columns at all.")
+    vocab_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per micro-step, for holding any vocabulary rows.")
     allreduce_latency_seconds: NonNegativeFloat
     allreduce_seconds_per_mib: NonNegativeFloat = Field(description="This device's CPU cost of an all-reduce, per MiB.")
     memory_bytes: PositiveInt = Field(description="Memory the device can give to the job.")
     address: str | None = None
     profile_seconds: NonNegativeFloat = 0.0
+
+
+COMPUTE_FIELDS = ("kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds", "layer_fixed_seconds",
+                  "step_fixed_seconds", "kv_fixed_seconds", "mlp_fixed_seconds", "vocab_fixed_seconds")
+"""A profile's compute seconds (not its collective cost): what scales with the device's pace."""
 
 
 REFERENCE_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
@@ -61,7 +73,8 @@ REFERENCE_BATCH, REFERENCE_SEQ = 1, 64
 def layer_seconds(p: DeviceProfile, dims: ModelDims) -> float:
     """One whole decoder layer (all KV groups, all MLP blocks), one profiled micro-batch."""
     mlp_blocks = dims.intermediate_size / dims.mlp_block
-    return p.layer_fixed_seconds + dims.num_kv_heads * p.kv_group_seconds + mlp_blocks * p.mlp_block_seconds
+    return (p.layer_fixed_seconds + p.kv_fixed_seconds + dims.num_kv_heads * p.kv_group_seconds
+            + p.mlp_fixed_seconds + mlp_blocks * p.mlp_block_seconds)
 
 
 def reference_layer_seconds(p: DeviceProfile) -> float:
