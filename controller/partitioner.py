@@ -145,7 +145,7 @@ def segments(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: f
     return attn.seconds(kv_groups), mlp.seconds(mlp_columns / dims.mlp_block), vocab.seconds(vocab_rows / dims.vocab_block)
 
 
-def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: int, mlp_columns: float, vocab_rows: float) -> float:
+def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: float, vocab_rows: float) -> float:
     """Predicted compute seconds of one micro-step for a device holding this share."""
     attn, mlp, vocab = segments(p, dims, kv_groups, mlp_columns, vocab_rows)
     return dims.num_layers * (attn + mlp) + vocab
@@ -216,8 +216,11 @@ PLAN_BUDGET_SECONDS = 3.0
 def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], relax: bool = False):
     """The same problem for a fixed participant set, with each device's memory limit, by HiGHS.
 
-    Only needed when the water-filled split does not fit; returns (step, C, g, m, v) or None.
-    With `relax`, the LP relaxation: a lower bound on the step, in milliseconds.
+    Only needed when the water-filled split does not fit; returns (step, collectives, g, m, v,
+    proven optimal) or None. With `relax`, the LP relaxation: its step is a lower bound, in
+    seconds. A binary per device and component says whether it pays that component's fixed
+    cost; with fixed costs many memory-bound devices can take HiGHS past MILP_OPTIONS' limit
+    (the plan then says `optimal: false`).
     """
     k, layers = len(members), dims.num_layers
     units = _units(dims)
@@ -264,7 +267,7 @@ def water_fill(costs: list[Segment], units: int) -> tuple[float, list[int]]:
 
     Device i takes costs[i].seconds(u_i), which never decreases in u_i (the first unit also
     pays the fixed cost). The greedy is exact for any such costs: if T* is the optimum, each
-    device can take c_i = max{u : seconds(u) <= T*} units and the c_i add up to `units`; the
+    device can take c_i = max{u : seconds(u) <= T*} units and the c_i add up to at least `units`; the
     greedy takes a unit above T* only when every device is at its c_i, i.e. never.
     """
     heap = [(c.seconds(1), i) for i, c in enumerate(costs)]

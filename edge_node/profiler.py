@@ -8,10 +8,10 @@ AdamW update. Each component is timed at two sizes, one unit and a realistic
 share, and fitted as fixed + units * per-unit: per-call work that does not
 shrink with a share (a tenth of the MLP costs more than a tenth of the MLP's
 time) is a large part of a small share, and a per-unit cost taken from a
-share alone over-predicts a larger one by 15-25% on small models. It also times
+share alone over-predicted a whole small model by up to 27%. It also times
 its own share of an all-reduce (loopback socket transfer of the payload plus
 the reduction), because on a CPU device the collectives run on the same cores
-and at the same speed as the compute. About a second or two on a full core;
+and at the same speed as the compute. About three seconds on a full core;
 cached per model shape, batch shape and device, for a day (a device's pace
 drifts with heat, background load and updates; `XRONOS_PROFILE_MAX_AGE`,
 in hours, changes that).
@@ -126,20 +126,25 @@ class _Exchange:
         self.b.close()
 
 
+MAX_FIXED_FRACTION = 0.5
+"""A fitted fixed cost is at most this part of the share's time. Measured fixed costs are 10-45%
+of a share's (SmolLM2's MLP: 9% at full speed, 21% at 0.25); a larger one is a noisy slope,
+and a per-unit cost driven towards zero would let the plan pile units on that device."""
+
+
 def fit_fixed_and_per_unit(one_unit: float, share: float, units: int) -> tuple[float, float]:
     """(fixed, per-unit) seconds of a component from its time at one unit and at `units` units.
 
-    The line through both points; when noise makes it absurd (the share no slower than one
-    unit, or the line through zero fixed cost: superlinear), the share's mean per unit and no
-    fixed cost, which is what the share itself says.
+    The line through both points, anchored at the share (the size plans use most), its slope
+    kept between (1 - MAX_FIXED_FRACTION) and 1 times the share's mean per unit: a steeper
+    line (superlinear) would need a negative fixed cost, a flatter one is noise. Continuous
+    in both timings, so a small change in a timing moves the costs a little.
     """
     if units <= 1:
         return 0.0, share / max(units, 1)
-    per_unit = (share - one_unit) / (units - 1)
-    fixed = share - per_unit * units
-    if per_unit <= 0 or fixed < 0:
-        return 0.0, share / units
-    return fixed, per_unit
+    mean = share / units
+    per_unit = min(max((share - one_unit) / (units - 1), (1 - MAX_FIXED_FRACTION) * mean), mean)
+    return share - per_unit * units, per_unit
 
 
 def available_memory_bytes() -> int:
@@ -215,7 +220,7 @@ def profile_device(
     started = time.perf_counter()
     torch.manual_seed(0)
     # Each component is timed on its own, at one unit and at a realistic share (half the KV
-    # groups but at least three, a quarter of the MLP columns and of the vocabulary, the
+    # groups but at least three, or all when fewer, a quarter of the MLP columns and of the vocabulary, the
     # vocabulary capped at VOCAB_SAMPLE_ROWS), not as differences of whole-model timings:
     # differences of noisy totals under a CPU quota are mostly noise. The fit's per-unit cost
     # is a difference over (share - 1) units: at 1 and 2 KV groups one window's noise made a

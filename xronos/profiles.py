@@ -6,9 +6,12 @@ one block of MLP columns and one block of vocabulary rows, each costed for
 forward + backward + the AdamW update of its parameters, in one layer (the
 vocabulary has no layers). Each component also has a fixed cost: the per-call
 work that does not shrink with the share (kernel launches, rotary embedding,
-the loss's bookkeeping, Python), paid once by a device holding any of it. A
-share of u units costs fixed + u * per-unit: a device's small share costs more
-than its fraction of a whole. Travels as JSON (a profile file, an MQTT message).
+Python), planned as paid by a device holding any of it (a rank holding none
+still launches a few empty operations; not priced). A share of u units costs
+fixed + u * per-unit: a device's small share costs more than its fraction of
+a whole. Travels as JSON (a profile file, an MQTT message); profiles without
+the fixed costs (older nodes) read as fixed cost 0, while older controllers
+refuse the new fields (log, count, drop).
 """
 
 from __future__ import annotations
