@@ -22,6 +22,9 @@ MODELS = {
     "mha_untied": dict(hidden=64, layers=2, heads=8, kv_heads=8, intermediate=192, vocab=VOCAB, tie=False),
     "gqa_tied": dict(hidden=48, layers=2, heads=6, kv_heads=3, intermediate=160, vocab=VOCAB, tie=True),
     "qwen2_gqa": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=VOCAB, tie=False, arch="qwen2"),
+    # wide enough that sharing pays at speeds 0.8/0.5/0.3 once per-call fixed costs are priced
+    # (the plans of the tiny ones often keep one or two devices)
+    "gqa_wide": dict(hidden=256, layers=2, heads=8, kv_heads=4, intermediate=1024, vocab=VOCAB, tie=True),
 }
 
 
