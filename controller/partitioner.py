@@ -37,14 +37,13 @@ from __future__ import annotations
 import functools
 import heapq
 import time
-from typing import NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.errors import XronosError
-from xronos.profiles import COMPUTE_FIELDS, DeviceProfile
+from xronos.profiles import COMPUTE_FIELDS, DeviceProfile, Segment, unit_costs
 from xronos.report import idle_seconds
 from xronos.splits import ModelDims, ShardSplit
 
@@ -116,27 +115,6 @@ def shared_grad_seconds(p: DeviceProfile, dims: ModelDims, groups: int) -> float
     """
     mib = payload_mib(dims, p.shape.micro_batch, p.shape.seq_len)
     return groups * group_mib(dims) / mib * collective_seconds(p, dims) / allreduces_per_step(dims)
-
-
-class Segment(NamedTuple):
-    """One segment's cost for one device: floor (paid by every participant) + [units > 0] fixed + units * per_unit."""
-
-    floor: float
-    fixed: float
-    per_unit: float
-
-    def seconds(self, units: float) -> float:
-        return self.floor + (self.fixed if units > 0 else 0.0) + units * self.per_unit
-
-
-def unit_costs(p: DeviceProfile) -> tuple[Segment, Segment, Segment]:
-    """(attention per layer, MLP per layer, vocabulary per step) in units of KV groups, MLP blocks
-    and vocabulary blocks. The replicated norms of a layer are split between its two segments."""
-    return (
-        Segment(p.layer_fixed_seconds / 2, p.kv_fixed_seconds, p.kv_group_seconds),
-        Segment(p.layer_fixed_seconds / 2, p.mlp_fixed_seconds, p.mlp_block_seconds),
-        Segment(p.step_fixed_seconds, p.vocab_fixed_seconds, p.vocab_block_seconds),
-    )
 
 
 def segments(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: float, vocab_rows: float):
@@ -397,7 +375,8 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
     enumerate those closures (duplicates removed; few when costs grow with slowness).
     For each distinct closure in the first two keys, the closures in the third are its
     prefixes in that key's order, so 64 devices take milliseconds."""
-    keys = np.array([(unit_costs(p)[0].floor, unit_costs(p)[2].floor, collective_seconds(p, dims)) for p in profiles])
+    keys = np.array([(attn.floor, vocab.floor, collective_seconds(p, dims))
+                     for p, (attn, _, vocab) in zip(profiles, map(unit_costs, profiles))])
     found, seen = {}, set()
     for a in np.unique(keys[:, 0]):
         for b in np.unique(keys[:, 1]):

@@ -17,7 +17,7 @@ import itertools
 from pydantic import BaseModel
 
 from xronos.errors import XronosError
-from xronos.profiles import DeviceProfile, layer_seconds
+from xronos.profiles import DeviceProfile, head_seconds, layer_seconds
 from xronos.splits import ModelDims
 
 
@@ -30,11 +30,6 @@ class PipelinePlan(BaseModel):
     """Predicted compute of each stage per micro-batch."""
     micro_batches: int
     predicted_step_seconds: float
-
-
-def head_seconds(p: DeviceProfile, dims: ModelDims) -> float:
-    """Embedding, final norm, LM head and loss, one profiled micro-batch."""
-    return dims.vocab_size / dims.vocab_block * p.vocab_block_seconds + p.vocab_fixed_seconds + p.step_fixed_seconds
 
 
 def split_layers(per_layer: list[float], head: float, n_layers: int) -> tuple[float, list[tuple[int, int]]]:

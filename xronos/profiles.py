@@ -17,7 +17,7 @@ refuse the new fields (log, count, drop).
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
@@ -73,11 +73,37 @@ sizes) at REFERENCE_BATCH x REFERENCE_SEQ tokens: a quick look at each device's 
 REFERENCE_BATCH, REFERENCE_SEQ = 1, 64
 
 
+class Segment(NamedTuple):
+    """One segment's cost for one device: floor (paid by every participant) + [units > 0] fixed + units * per_unit."""
+
+    floor: float
+    fixed: float
+    per_unit: float
+
+    def seconds(self, units: float) -> float:
+        return self.floor + (self.fixed if units > 0 else 0.0) + units * self.per_unit
+
+
+def unit_costs(p: DeviceProfile) -> tuple[Segment, Segment, Segment]:
+    """(attention per layer, MLP per layer, vocabulary per step) in units of KV groups, MLP blocks
+    and vocabulary blocks. The replicated norms of a layer are split between its two segments;
+    the step's own replicated work (the final norm) is the vocabulary segment's floor."""
+    return (
+        Segment(p.layer_fixed_seconds / 2, p.kv_fixed_seconds, p.kv_group_seconds),
+        Segment(p.layer_fixed_seconds / 2, p.mlp_fixed_seconds, p.mlp_block_seconds),
+        Segment(p.step_fixed_seconds, p.vocab_fixed_seconds, p.vocab_block_seconds),
+    )
+
+
 def layer_seconds(p: DeviceProfile, dims: ModelDims) -> float:
     """One whole decoder layer (all KV groups, all MLP blocks), one profiled micro-batch."""
-    mlp_blocks = dims.intermediate_size / dims.mlp_block
-    return (p.layer_fixed_seconds + p.kv_fixed_seconds + dims.num_kv_heads * p.kv_group_seconds
-            + p.mlp_fixed_seconds + mlp_blocks * p.mlp_block_seconds)
+    attention, mlp, _ = unit_costs(p)
+    return attention.seconds(dims.num_kv_heads) + mlp.seconds(dims.intermediate_size / dims.mlp_block)
+
+
+def head_seconds(p: DeviceProfile, dims: ModelDims) -> float:
+    """Embedding, final norm, LM head and loss (the whole vocabulary), one profiled micro-batch."""
+    return unit_costs(p)[2].seconds(dims.vocab_size / dims.vocab_block)
 
 
 def reference_layer_seconds(p: DeviceProfile) -> float:
