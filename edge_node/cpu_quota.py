@@ -2,10 +2,17 @@
 
 The mechanism is the one behind Docker's `cpus:` limit, CFS bandwidth
 control, through cgroup v1 (`cpu.cfs_quota_us`; on these machines cgroup v2
-has no cpu controller). Speed 1 = one full core. The period is 10 ms rather
-than the 100 ms default: with 100 ms a throttled worker stops for up to 75 ms
-at a stretch and stalls every collective, which emulates a stop-and-go device
-rather than a slower one.
+has no cpu controller). Speed 1 = one full core. The period is 4 ms (longer
+only where the quota would fall under the kernel's 1 ms minimum), not the
+100 ms default nor the 10 ms used before: a quota is a share of each period,
+so a worker that waited part of a period (in a collective) then computes at
+full speed until the period's quota is spent, and one that computes without
+pause is throttled in long stretches. The longer the period, the further
+that is from a device that is merely slower. Measured on one SmolLM2 MLP
+step under a 0.25 quota (13.1 ms at full speed): with 10 ms periods 76 ms
+back to back but 40-52 ms after a 5-50 ms wait; with 4 ms periods 61 ms
+either way (60-66). With 100 ms a throttled worker stops for up to 75 ms at
+a stretch and stalls every collective.
 
 A worker joins its cgroup itself, once its imports are done (`join_quota`):
 startup is not what the emulation is about, and a 0.25 device would spend
@@ -30,7 +37,15 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 10_000
+PERIOD_US = 4_000
+MIN_QUOTA_US = 1_000  # the kernel refuses a smaller cfs_quota_us
+DUTY_PERIOD_SECONDS = 0.01  # the fallback's: signals from a Python thread cannot keep a finer beat
+
+
+def period_and_quota_us(speed: float) -> tuple[int, int]:
+    """The cgroup period and quota for `speed` cores: PERIOD_US, stretched for very slow speeds."""
+    period = max(PERIOD_US, round(MIN_QUOTA_US / speed))
+    return period, max(MIN_QUOTA_US, round(speed * period))
 
 
 def cgroup_quota_available() -> bool:
@@ -43,8 +58,10 @@ class CgroupQuota:
     def __init__(self, name: str, speed: float):
         self.path = CGROUP_V1_CPU / name
         self.path.mkdir(exist_ok=True)
-        (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (self.path / "cpu.cfs_quota_us").write_text(str(max(1000, round(speed * PERIOD_US))))
+        period, quota = period_and_quota_us(speed)
+        (self.path / "cpu.cfs_quota_us").write_text("-1")  # a period shorter than the set quota is refused
+        (self.path / "cpu.cfs_period_us").write_text(str(period))
+        (self.path / "cpu.cfs_quota_us").write_text(str(quota))
 
     @property
     def procs_file(self) -> str:
@@ -88,7 +105,7 @@ class DutyCycleQuota:
                 pass
 
     def _run(self) -> None:
-        period = PERIOD_US / 1e6
+        period = DUTY_PERIOD_SECONDS
         while not self._stop.is_set():
             self._signal(signal.SIGCONT)
             time.sleep(self.speed * period)

@@ -35,6 +35,7 @@ from transformers.masking_utils import create_causal_mask
 
 from edge_node.model_io import ATTN_IMPLEMENTATION
 from edge_node.tp.cross_entropy import causal_lm_loss
+from edge_node.tp.weight_grads import WEIGHT_GRADS, weight_grads_later
 from xronos.errors import XronosError
 from xronos.profiles import DeviceProfile, ProfileShape
 from xronos.splits import ModelDims
@@ -84,14 +85,35 @@ def _mean_seconds(runs: dict[str, object]) -> dict[str, float]:
     return {name: wall[name] / calls[name] for name in runs}
 
 
-def _training_step(forward, params: list[torch.Tensor]):
-    """forward + backward + AdamW update of one component, in isolation."""
+class _Parts:
+    """Seconds a component's steps spent in all, in their backward pass, and in weight-gradient
+    products computed later (summed over every call, warm-up included: only ratios are used)."""
+
+    def __init__(self) -> None:
+        self.total = self.backward = self.later = 0.0
+
+    def fraction(self, part: float) -> float:
+        return part / self.total if self.total > 0 else 0.0
+
+
+def _training_step(forward, params: list[torch.Tensor], parts: _Parts | None = None):
+    """forward + backward + AdamW update of one component, in isolation (timed in `parts`)."""
     opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+    parts = parts or _Parts()
 
     def step():
-        forward().sum().backward()
+        t0 = time.perf_counter()
+        out = forward().sum()
+        t1 = time.perf_counter()
+        out.backward()
+        t2 = time.perf_counter()
+        WEIGHT_GRADS.flush()
+        t3 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        parts.backward += t2 - t1
+        parts.later += t3 - t2
+        parts.total += time.perf_counter() - t0
 
     return step
 
@@ -166,7 +188,11 @@ VOCAB_SAMPLE_ROWS = 3072
 before a quarter of it, and timing a quarter would take most of the profile's time; a small
 one needs its quarter, or the loss's fixed work swamps the per-row cost."""
 
-PROFILER_VERSION = 4
+MAX_LATER_FRACTION = 0.6
+"""The weight-gradient products are one of an MLP step's three matrix products per projection
+(~30% of its seconds, with the update); a larger measured part is a disturbed window."""
+
+PROFILER_VERSION = 5
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 
@@ -233,6 +259,7 @@ def profile_device(
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
     position_ids = torch.arange(seq_len).unsqueeze(0)
     runs = {}
+    parts = {f"{c}-{size}": _Parts() for c in ("attention", "mlp") for size in ("share", "unit")}
     for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
         model = _variant(config, dims, 1, g, m * dims.mlp_block, 8)
         layer = model.model.layers[0]
@@ -242,8 +269,11 @@ def profile_device(
         runs[f"attention-{size}"] = _training_step(
             lambda layer=layer, rope=rope, mask=mask:
                 layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
-            list(layer.self_attn.parameters()))
-        runs[f"mlp-{size}"] = _training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()))
+            list(layer.self_attn.parameters()), parts[f"attention-{size}"])
+        for name in ("gate_proj", "up_proj", "down_proj"):  # as on a rank whose weight gradients come later
+            setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name)))
+        runs[f"mlp-{size}"] = _training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()),
+                                             parts[f"mlp-{size}"])
         # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows.
         head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02)
         embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
@@ -271,6 +301,8 @@ def profile_device(
         kv_group_seconds=per_group, mlp_block_seconds=per_mlp, vocab_block_seconds=per_vocab,
         layer_fixed_seconds=layer_fixed, step_fixed_seconds=step_fixed,
         kv_fixed_seconds=kv_fixed, mlp_fixed_seconds=mlp_fixed, vocab_fixed_seconds=vocab_fixed,
+        mlp_weight_grad_fraction=min(parts["mlp-share"].fraction(parts["mlp-share"].later), MAX_LATER_FRACTION),
+        attention_backward_fraction=parts["attention-share"].fraction(parts["attention-share"].backward),
         allreduce_latency_seconds=latency, allreduce_seconds_per_mib=per_mib,
         memory_bytes=memory, address=address, profile_seconds=time.perf_counter() - started,
     )

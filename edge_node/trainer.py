@@ -28,6 +28,7 @@ from edge_node.tp.comm import CLOCK
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
+from edge_node.tp.weight_grads import WEIGHT_GRADS
 from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
@@ -150,6 +151,7 @@ class Trainer:
         for micro in rows.chunk(job.grad_accum):
             loss = self.loss(micro) / job.grad_accum
             loss.backward()
+            WEIGHT_GRADS.flush()
             total += loss.item()
         if self.tensor_parallel:
             sum_shared_grads(self.model, self.spec.split, self.rank, self.shapes, self.dims)

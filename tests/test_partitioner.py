@@ -15,11 +15,12 @@ from controller.partitioner import (
     recalibrate,
     segments,
     shared_grad_seconds,
+    split_step_seconds,
     step_seconds,
     unit_bytes,
 )
 from xronos.cli import main
-from xronos.profiles import COMPUTE_FIELDS, DeviceProfile, ProfileShape
+from xronos.profiles import COMPUTE_FIELDS, DeviceProfile, ProfileShape, weight_grad_seconds
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
 
@@ -286,8 +287,63 @@ def test_repeated_replans_converge_on_the_measured_pace():
         want = [device_compute(p, DIMS, *share) for p, share in zip(current, split.shares())]
         split, current, predicted = replan(current, DIMS, split, measured, SHAPE.micro_batch, SHAPE.seq_len)
         assert predicted == want  # what the profiles it started from said (the report's trace)
-    final = step_seconds(truth, DIMS, list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows)))
-    first = plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split
-    start = step_seconds(truth, DIMS, list(zip(first.kv_groups, first.mlp_columns, first.vocab_rows)))
+    final = split_step_seconds(truth, DIMS, split)
+    start = split_step_seconds(truth, DIMS, plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split)
     print(f"true optimum {best:.3f}, first plan {start:.3f}, after re-plans {final:.3f}")
     assert final <= best / (1 - MIN_REPLAN_GAIN) ** 2 and final < start * 0.9
+
+
+def later_profile(p, rng):
+    """`p` with measured weight-gradient and attention-backward parts (as the profiler gives them)."""
+    return p.model_copy(update={"mlp_weight_grad_fraction": rng.uniform(0.2, 0.45),
+                                "attention_backward_fraction": rng.uniform(0.5, 0.75)})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weight_grads_later_fill_the_room_the_attention_leaves(seed):
+    """With weight gradients that may come later, the plan is never slower than the best plan
+    without (brute force), and given its attention split its MLP split and flags are the best of
+    every integer split and every choice of flags that keeps the attention segment as it is."""
+    rng = random.Random(100 + seed)
+    profiles = [later_profile(profile(i, rng, slow=s), rng) for i, s in enumerate((1, 2, 4))]
+    plan = plan_partition(profiles, DIMS3, 1, 8)
+    split = plan.split
+    members = [p for p, d in zip(profiles, plan.devices) if d.rank is not None]
+    without = brute_force_rows([p.model_copy(update={"mlp_weight_grad_fraction": 0.0}) for p in profiles], 1)
+    assert plan.predicted_step_seconds <= without * (1 + 1e-9)
+    assert plan.predicted_step_seconds == pytest.approx(split_step_seconds(members, DIMS3, split), rel=1e-12)
+    plain = step_seconds(members, DIMS3, split.shares())
+    best = plain
+    for m in compositions(16, len(members)):
+        for flags in itertools.product([False, True], repeat=len(members)):
+            shares = [(kv, c, v) for (kv, _, v), c in zip(split.shares(), m)]
+            no_move = step_seconds(members, DIMS3, shares)
+            moved = step_seconds(members, DIMS3, shares, later=list(flags))
+            attention_kept = moved - no_move == pytest.approx(  # only the MLP segment changed
+                DIMS3.num_layers * (max(segments(p, DIMS3, *s)[1] - (weight_grad_seconds(p, c) if f else 0)
+                                        for p, s, c, f in zip(members, shares, m, flags))
+                                    - max(segments(p, DIMS3, *s)[1] for p, s in zip(members, shares))), abs=1e-12)
+            if attention_kept:
+                best = min(best, moved)
+    assert plan.predicted_step_seconds == pytest.approx(best, rel=1e-9)
+
+
+def test_a_device_without_attention_takes_more_mlp_when_its_weight_grads_come_later():
+    """Speeds 1, 0.5, 0.25 over 3 KV groups: the slow device holds no attention and waits through
+    each layer's attention backward; with its weight gradients computed there it holds more MLP
+    columns, the predicted step is shorter and the predicted idle lower."""
+    base = DeviceProfile(device="d", shape=SHAPE, kv_group_seconds=0.4, kv_fixed_seconds=0.1, mlp_block_seconds=0.1,
+                         mlp_fixed_seconds=0.1, vocab_block_seconds=0.05, layer_fixed_seconds=0.05,
+                         step_fixed_seconds=0.05, allreduce_latency_seconds=0.0, allreduce_seconds_per_mib=0.0,
+                         memory_bytes=1 << 40)
+    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) / s for k in COMPUTE_FIELDS}})
+                for i, s in enumerate((1, 0.5, 0.25))]
+    before = plan_partition(profiles, DIMS3, 1, 8)
+    later = [p.model_copy(update={"mlp_weight_grad_fraction": 0.3, "attention_backward_fraction": 0.65})
+             for p in profiles]
+    after = plan_partition(later, DIMS3, 1, 8)
+    assert before.split.kv_groups == after.split.kv_groups and after.split.kv_groups[2] == 0
+    assert before.split.weight_grads_later is None and after.split.weight_grads_later[2]
+    assert after.split.mlp_columns[2] > before.split.mlp_columns[2]
+    assert after.predicted_step_seconds < before.predicted_step_seconds
+    assert after.predicted_idle_ratio < before.predicted_idle_ratio

@@ -35,12 +35,17 @@ def _positive_ints(text: str) -> list[int]:
 SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows", "layers": "layers"}
 
 
-def parse_split(text: str) -> dict[str, list[int]]:
+def parse_split(text: str) -> dict[str, list]:
     """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}.
 
-    `layers=2/1/1` gives a pipeline's layers per stage (mode pp).
+    `layers=2/1/1` gives a pipeline's layers per stage (mode pp); `mlp=128/64*/0*` marks the
+    ranks whose MLP weight gradients come later (as `xronos plan` prints them).
     """
     out = {}
+    if "*" in text:
+        mlp = next((item.partition("=")[2] for item in text.split(",") if item.partition("=")[0].strip() == "mlp"), "")
+        out["weight_grads_later"] = [v.endswith("*") for v in mlp.split("/")]
+        text = text.replace("*", "")
     for item in text.split(","):
         key, _, values = item.partition("=")
         if key.strip() not in SPLIT_KEYS or not values:

@@ -54,6 +54,11 @@ class DeviceProfile(BaseModel):
     kv_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per layer, for holding any attention at all.")
     mlp_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per layer, for holding any MLP columns at all.")
     vocab_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per micro-step, for holding any vocabulary rows.")
+    mlp_weight_grad_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Part of an MLP share's seconds (fixed + per block) spent on its "
+                                          "weight-gradient products, which a rank can compute later (0: unmeasured).")
+    attention_backward_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Part of an attention share's seconds spent in its backward pass.")
     allreduce_latency_seconds: NonNegativeFloat
     allreduce_seconds_per_mib: NonNegativeFloat = Field(description="This device's CPU cost of an all-reduce, per MiB.")
     memory_bytes: PositiveInt = Field(description="Memory the device can give to the job.")
@@ -93,6 +98,19 @@ def unit_costs(p: DeviceProfile) -> tuple[Segment, Segment, Segment]:
         Segment(p.layer_fixed_seconds / 2, p.mlp_fixed_seconds, p.mlp_block_seconds),
         Segment(p.step_fixed_seconds, p.vocab_fixed_seconds, p.vocab_block_seconds),
     )
+
+
+def weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:
+    """Per layer, the weight-gradient products of `blocks` MLP column blocks: what a rank whose
+    weight gradients come later (`edge_node.tp.weight_grads`) moves out of its MLP segment."""
+    mlp = unit_costs(p)[1]
+    return p.mlp_weight_grad_fraction * (mlp.seconds(blocks) - mlp.floor)
+
+
+def attention_backward_seconds(p: DeviceProfile, groups: float) -> float:
+    """Per layer, the backward pass of `groups` KV groups' attention (and its norm): the span between
+    a layer's two backward all-reduces, in which weight gradients computed later are hidden."""
+    return p.attention_backward_fraction * unit_costs(p)[0].seconds(groups)
 
 
 def layer_seconds(p: DeviceProfile, dims: ModelDims) -> float:

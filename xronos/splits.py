@@ -97,12 +97,16 @@ class ShardSplit(BaseModel):
     kv_rows: list[tuple[NonNegativeInt, NonNegativeInt] | None] | None = None
     """Per rank, None (its KV groups for every row), or [r0, r1): the micro-batch rows it computes
     its one KV group for, which consecutive ranks share until the last row (see the module doc)."""
+    weight_grads_later: list[bool] | None = None
+    """Per rank, whether its MLP's weight gradients are computed one backward all-reduce later,
+    in its wait for the attention of other ranks (`edge_node.tp.weight_grads`); None: on no rank."""
 
     @model_validator(mode="after")
     def _same_world(self) -> "ShardSplit":
         sizes = {len(self.kv_groups), len(self.mlp_columns), len(self.vocab_rows)}
-        if self.kv_rows is not None:
-            sizes.add(len(self.kv_rows))
+        for per_rank in (self.kv_rows, self.weight_grads_later):
+            if per_rank is not None:
+                sizes.add(len(per_rank))
         if len(sizes) != 1 or 0 in sizes:
             raise ValueError(
                 "kv_groups, mlp_columns and vocab_rows must list one entry per rank "
@@ -185,11 +189,16 @@ class ShardSplit(BaseModel):
         ends = list(accumulate(parts))
         return ends[rank] - parts[rank], ends[rank]
 
+    def rank_computes_weight_grads_later(self, rank: int) -> bool:
+        return bool(self.weight_grads_later and self.weight_grads_later[rank])
+
     def describe(self) -> str:
-        """One line for terminals: kv 2/1[0:3]/1[3:4] · mlp 128/64/0 · vocab ... ([r0:r1]: rows of a shared group)."""
+        """One line for terminals: kv 2/1[0:3]/1[3:4] · mlp 128/64/0* · vocab ... ([r0:r1]: rows of a shared
+        group; *: that rank's MLP weight gradients come later)."""
         rows = self.kv_rows or [None] * self.world_size
         kv = [kv_label(g, r) for g, r in zip(self.kv_groups, rows)]
+        mlp = [f"{c}*" if self.rank_computes_weight_grads_later(r) else str(c) for r, c in enumerate(self.mlp_columns)]
         return " · ".join(
             f"{label} {'/'.join(map(str, parts))}"
-            for label, parts in (("kv", kv), ("mlp", self.mlp_columns), ("vocab", self.vocab_rows))
+            for label, parts in (("kv", kv), ("mlp", mlp), ("vocab", self.vocab_rows))
         )

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_node.tp.mappings import reduce_from_tp
+from edge_node.tp.weight_grads import linear_weight_grad_later
 
 
 class RowParallelLinear(nn.Module):
@@ -29,9 +30,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.deferred = False
+        self.weight_grad_later = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear_weight_grad_later(x, self.weight, None) if self.weight_grad_later else F.linear(x, self.weight)
         return y if self.deferred else self.finish(y)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:

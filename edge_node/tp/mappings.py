@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from edge_node.tp.comm import all_reduce
+from edge_node.tp.weight_grads import WEIGHT_GRADS
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -22,6 +23,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        WEIGHT_GRADS.before_backward_collective()
         return all_reduce(grad.clone(memory_format=torch.contiguous_format))
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParallelEmbedding, share_rows
 from edge_node.tp.mappings import copy_to_tp
+from edge_node.tp.weight_grads import WeightGradLaterLinear
 from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
@@ -44,9 +45,13 @@ def _sharded(linear: nn.Linear, name: str, style, split: ShardSplit, rank: int, 
     part = param_slice(f"{name}.weight", split, rank, dims)
     device = linear.weight.device
     has_bias = linear.bias is not None
+    later = style.unit == "mlp" and split.rank_computes_weight_grads_later(rank)
     if isinstance(style, ColumnParallel):
-        return nn.Linear(linear.in_features, part.size, bias=has_bias, device=device)
-    return RowParallelLinear(part.size, linear.out_features, bias=has_bias, device=device)
+        cls = WeightGradLaterLinear if later else nn.Linear
+        return cls(linear.in_features, part.size, bias=has_bias, device=device)
+    row = RowParallelLinear(part.size, linear.out_features, bias=has_bias, device=device)
+    row.weight_grad_later = later
+    return row
 
 
 def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
