@@ -116,8 +116,11 @@ def test_bench_runs_pp_once_per_micro_batch_count():
 
 
 def test_bench_rounds_report_the_median_round_and_ratios_round_by_round(model_dir, data_file, tmp_path, capsys):
-    from xronos.bench import median_round, round_ratios
+    from xronos.bench import layouts_by_round, median_round, round_ratios
 
+    assert layouts_by_round(["kv 2/1 · mlp 1088/448", "kv 2/1/0 · mlp 960/384/192*"], [0.035, 0.061]) == (
+        "1: kv 2/1 · mlp 1088/448 (idle 3.5%); 2: kv 2/1/0 · mlp 960/384/192* (idle 6.1%)")
+    assert layouts_by_round(["kv 1/1/1", "kv 1/1/1"], [0.04, 0.05]) is None  # the same plan every round
     assert median_round([3.0, 1.0, 2.0]) == 2
     assert median_round([4.0, 1.0, 3.0, 2.0]) == 3  # of an even number, the lower middle one
     assert round_ratios({"xronos": [2.0, 3.0], "tp": [4.0, 5.0]}, "xronos", "tp") == [0.5, 0.6]

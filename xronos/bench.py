@@ -34,6 +34,18 @@ class BenchResult(BaseModel):
     """Per mode, the report of its median round."""
     rounds: dict[str, list[float]]
     """Per mode, the mean step seconds of each round, in round order."""
+    round_idle: dict[str, list[float]] = {}
+    """Per mode, each round's idle ratio, in round order."""
+    round_layouts: dict[str, list[str]] = {}
+    """Per mode, each round's layout (its final split, or its stages), in round order: a profiled
+    mode plans from fresh measurements every round, and its plan may differ between them."""
+
+
+def layouts_by_round(layouts: list[str], idle: list[float]) -> str | None:
+    """One line of each round's layout and idle, or None when every round had the same layout."""
+    if len(set(layouts)) <= 1:
+        return None
+    return "; ".join(f"{k + 1}: {layout} (idle {ratio:.1%})" for k, (layout, ratio) in enumerate(zip(layouts, idle)))
 
 
 def median_round(seconds: list[float]) -> int:
@@ -94,7 +106,9 @@ def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data
                 after[label] = perplexity(out, eval_set)
     seconds = {label: [r.mean_step_seconds for r in reports] for label, reports in runs.items()}
     reports = {label: runs[label][median_round(seconds[label])] for label in runs}
-    return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports, rounds=seconds)
+    return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports, rounds=seconds,
+                       round_idle={label: [r.idle_ratio for r in rs] for label, rs in runs.items()},
+                       round_layouts={label: [describe_layout(r.split, r.stages) for r in rs] for label, rs in runs.items()})
 
 
 def compute_stall(node, measured_steps: int) -> float:
@@ -128,6 +142,10 @@ def print_bench(result: BenchResult) -> None:
     if n_rounds > 1:
         print("\nstep seconds by round: " + "; ".join(
             f"{mode} " + " ".join(f"{s:.2f}" for s in seconds) for mode, seconds in rounds.items()))
+        for mode, layouts in result.round_layouts.items():
+            line = layouts_by_round(layouts, result.round_idle[mode])
+            if line:
+                print(f"{mode} layouts by round: {line}")
     print("\nper device [speed], seconds per measured step: compute / comm / idle"
           " (profiled modes: + compute stall = measured / profiled compute - 1)")
     for mode, r in reports.items():
