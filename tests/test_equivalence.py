@@ -145,12 +145,14 @@ def test_pipeline_baseline_equals_single(name, layers, model_dir, data_file, sin
 
 def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_runs, tmp_path, monkeypatch, capsys):
     """Profile, plan, re-plan after one timed step (re-sharding in place if the split moves): same
-    training. A model wide enough that the plan shares it (a tiny one may rightly stay on one
-    device, and then there is nothing to re-plan)."""
+    training. A model wide enough, and speeds close enough, that the plan shares it (a tiny one
+    may rightly stay on one device, and then there is nothing to re-plan): at 0.6/0.5/0.4 its
+    best shared plan predicts ~30% shorter steps than the 0.6 device alone; at 0.8/0.5/0.3 only
+    ~10%, and under 4 ms quota periods profile noise made one CI run keep one device."""
     monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
     ref, _ = single_runs("gqa_wide")
     report = run_local(job(model_dir("gqa_wide"), data_file, tmp_path / "out", "xronos", replan_after=1, steps=6), 3,
-                       speeds=[0.8, 0.5, 0.3], show_progress=False)
+                       speeds=[0.6, 0.5, 0.4], show_progress=False)
     assert report.predicted_step_seconds is not None and report.split.world_size == 3 - len(report.excluded)
     assert report.split.world_size >= 2, report.split
     assert len(report.losses) == 6
