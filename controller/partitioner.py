@@ -38,8 +38,7 @@ the MLP segment depends on the attention split: the attention is split first
 (min-max, exact) and the MLP is then exact beside it, with moves only into the
 room it leaves. That is never slower than the exact plan without moves, but it
 is not the joint optimum: choosing the attention split for room, or letting
-moves lengthen the attention segment, was up to 8% better in random 3-device
-brute-force cases (the same in 28 of 40; `_solve_members`). When a water-filled split does not fit a
+moves lengthen the attention segment, can do better (`_solve_members`). When a water-filled split does not fit a
 device's memory, that set is solved with its memory limits as a
 mixed-integer program by HiGHS (`scipy.optimize.milp`). Brute-force tests
 check optimality on small cases.

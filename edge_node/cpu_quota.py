@@ -8,10 +8,9 @@ only where the quota would fall under the kernel's 1 ms minimum), not the
 so a worker that waited part of a period (in a collective) then computes at
 full speed until the period's quota is spent, and one that computes without
 pause is throttled in long stretches. The longer the period, the further
-that is from a device that is merely slower. Measured on one SmolLM2 MLP
-step under a 0.25 quota (13.1 ms at full speed): with 10 ms periods 76 ms
-back to back but 40-52 ms after a 5-50 ms wait; with 4 ms periods 61 ms
-either way (60-66). With 100 ms a throttled worker stops for up to 75 ms at
+that is from a device that is merely slower (`benchmarks/quota_period_bench.py`:
+one SmolLM2 MLP step under a 0.25 quota, 10 ms periods, 82 ms back to back and
+61-75 ms after a 5-50 ms wait; 4 ms periods, 85-96 ms either way). With 100 ms a throttled worker stops for up to 75 ms at
 a stretch and stalls every collective.
 
 A worker joins its cgroup itself, once its imports are done (`join_quota`):

@@ -259,7 +259,7 @@ def profile_device(
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
     position_ids = torch.arange(seq_len).unsqueeze(0)
     runs = {}
-    parts = {f"{c}-{size}": _Parts() for c in ("attention", "mlp") for size in ("share", "unit")}
+    parts = {"attention-share": _Parts(), "mlp-share": _Parts()}  # the fractions are read at the share
     for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
         model = _variant(config, dims, 1, g, m * dims.mlp_block, 8)
         layer = model.model.layers[0]
@@ -269,11 +269,11 @@ def profile_device(
         runs[f"attention-{size}"] = _training_step(
             lambda layer=layer, rope=rope, mask=mask:
                 layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
-            list(layer.self_attn.parameters()), parts[f"attention-{size}"])
+            list(layer.self_attn.parameters()), parts.get(f"attention-{size}"))
         for name in ("gate_proj", "up_proj", "down_proj"):  # as on a rank whose weight gradients come later
             setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name)))
         runs[f"mlp-{size}"] = _training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()),
-                                             parts[f"mlp-{size}"])
+                                             parts.get(f"mlp-{size}"))
         # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows.
         head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02)
         embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())

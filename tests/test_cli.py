@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -128,3 +129,14 @@ def test_bench_rounds_report_the_median_round_and_ratios_round_by_round(model_di
             "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--modes", "tp", "--rounds", "0"]
     code, err = run_cli(args, capsys)
     assert code == 2 and err == ["xronos: error: --rounds must be at least 1, got 0"]
+
+
+def test_split_marks_the_ranks_whose_weight_gradients_come_later():
+    from xronos.cli import parse_split
+
+    assert parse_split("kv=2/1/0,mlp=896/384/256*,vocab=1/2/3") == {
+        "weight_grads_later": [False, False, True], "kv_groups": [2, 1, 0], "mlp_columns": [896, 384, 256],
+        "vocab_rows": [1, 2, 3]}
+    assert "weight_grads_later" not in parse_split("kv=2/1/0,mlp=896/384/256")
+    with pytest.raises(argparse.ArgumentTypeError, match="only mlp sizes take a"):
+        parse_split("kv=2*/1/0,mlp=896/384/256")

@@ -42,10 +42,13 @@ def parse_split(text: str) -> dict[str, list]:
     ranks whose MLP weight gradients come later (as `xronos plan` prints them).
     """
     out = {}
-    if "*" in text:
-        mlp = next((item.partition("=")[2] for item in text.split(",") if item.partition("=")[0].strip() == "mlp"), "")
-        out["weight_grads_later"] = [v.endswith("*") for v in mlp.split("/")]
-        text = text.replace("*", "")
+    for item in text.split(","):
+        key, _, values = item.partition("=")
+        if "*" in item and key.strip() != "mlp":
+            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: only mlp sizes take a * mark")
+        if "*" in item:
+            out["weight_grads_later"] = [v.endswith("*") for v in values.split("/")]
+    text = text.replace("*", "")
     for item in text.split(","):
         key, _, values = item.partition("=")
         if key.strip() not in SPLIT_KEYS or not values:
