@@ -22,7 +22,11 @@ its MLP segment loses w_i = mlp_weight_grad_fraction_i * (its MLP seconds less t
 floor), and it is planned so only where w_i fits in the room that span leaves it,
 max_j b_j - b_i with b_j = attention_backward_fraction_j * attention_j (a device with
 less attention than the slowest waits there anyway); a split evaluated with moves that
-do not fit pays the overflow in its attention segment.
+do not fit pays the overflow in its attention segment. The other way round, a device may
+compute its attention's weight-gradient products later, in the MLP segment of the layer
+below: its attention segment loses d_i = attention_weight_grad_fraction_i * (its attention
+seconds less the floor) and its MLP segment gains them. Whole KV groups rarely divide at the
+devices' speeds, and the MLP segment, split by the column block, takes up what they cannot.
 (Balancing only each device's total would let one device do all the
 attention while the others wait, then the reverse in the MLP.) Every
 participant takes part in every all-reduce at its own CPU speed, so the
@@ -35,8 +39,9 @@ independent, and each is an integer min-max allocation that greedy
 water-filling solves exactly; the participant sets worth trying are the
 "closed" ones (see `_closed_sets`). With weight gradients that may come later
 the MLP segment depends on the attention split: the attention is split first
-(min-max, exact) and the MLP is then exact beside it, with moves only into the
-room it leaves. That is never slower than the exact plan without moves, but it
+(min-max, exact, with or without every device's attention products deferred,
+whichever plans shorter) and the deferrals and the MLP are then exact beside it,
+with moves only into the room it leaves. That is never slower than the exact plan without moves, but it
 is not the joint optimum: choosing the attention split for room, or letting
 moves lengthen the attention segment, can do better (`_solve_members`). When a water-filled split does not fit a
 device's memory, that set is solved with its memory limits as a
@@ -56,8 +61,8 @@ from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.errors import XronosError
-from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, Segment, attention_backward_seconds, unit_costs,
-                             weight_grad_seconds)
+from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, Segment, attention_backward_seconds,
+                             attention_weight_grad_seconds, unit_costs, weight_grad_seconds)
 from xronos.report import idle_seconds
 from xronos.splits import ModelDims, ShardSplit
 
@@ -144,25 +149,30 @@ def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_colu
 
 
 def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tuple[float, float, float]],
-                 shared_groups: int = 0, later: list[bool] | None = None) -> float:
+                 shared_groups: int = 0, later: list[bool] | None = None,
+                 attention_later: list[bool] | None = None) -> float:
     """Predicted step of participants `profiles` holding `shares` (kv groups, MLP columns, vocabulary rows),
-    with `shared_groups` KV groups shared by rows, and the ranks flagged in `later` computing their
-    MLP's weight gradients in the attention backward's span (what does not fit lengthens it)."""
+    with `shared_groups` KV groups shared by rows, the ranks flagged in `later` computing their
+    MLP's weight gradients in the attention backward's span (what does not fit lengthens it), and
+    those flagged in `attention_later` their attention's in the MLP segment (of the layer below)."""
     segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
     moved = [weight_grad_seconds(p, share[1] / dims.mlp_block) if later and later[i] else 0.0
              for i, (p, share) in enumerate(zip(profiles, shares))]
-    backs = [attention_backward_seconds(p, share[0]) for p, share in zip(profiles, shares)]
+    deferred = [attention_weight_grad_seconds(p, share[0]) if attention_later and attention_later[i] else 0.0
+                for i, (p, share) in enumerate(zip(profiles, shares))]
+    backs = [attention_backward_seconds(p, share[0]) - d for p, share, d in zip(profiles, shares, deferred)]
     overflow = max(b + w for b, w in zip(backs, moved)) - max(backs)
     coll = max(collective_seconds(p, dims) for p in profiles) if len(profiles) > 1 else 0.0
     coll += max(shared_grad_seconds(p, dims, shared_groups) for p in profiles)
-    attention = max(s[0] for s in segs) + overflow
-    mlp = max(s[1] - w for s, w in zip(segs, moved))
+    attention = max(s[0] - d for s, d in zip(segs, deferred)) + overflow
+    mlp = max(s[1] - w + d for s, w, d in zip(segs, moved, deferred))
     return dims.num_layers * (attention + mlp) + max(s[2] for s in segs) + coll
 
 
 def split_step_seconds(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit) -> float:
     """Predicted step of participants `profiles` (rank order) holding `split`."""
-    return step_seconds(profiles, dims, split.shares(), len(split.shared_kv_groups), split.weight_grads_later)
+    return step_seconds(profiles, dims, split.shares(), len(split.shared_kv_groups), split.weight_grads_later,
+                        split.attention_weight_grads_later)
 
 
 def unit_bytes(dims: ModelDims, micro_batch: int, seq_len: int) -> tuple[float, float, float, float]:
@@ -191,9 +201,19 @@ def _units(dims: ModelDims) -> tuple[int, int, int]:
     return dims.num_kv_heads, dims.intermediate_size // dims.mlp_block, dims.vocab_size // dims.vocab_block
 
 
-def _to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: list[bool] | None = None) -> ShardSplit:
+class Later(NamedTuple):
+    """Per participant: whether its MLP's, and whether its attention's, weight gradients come later."""
+
+    mlp: list[bool]
+    attention: list[bool]
+
+    def select(self, members: list[int]) -> "Later":
+        return Later([self.mlp[i] for i in members], [self.attention[i] for i in members])
+
+
+def _to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: Later | None = None) -> ShardSplit:
     """Blocks to sizes; a tail that is not a whole block goes to the device with the most blocks.
-    `g`: attention shares (see `Share`), or plain KV group counts; `later`: the ranks whose MLP
+    `g`: attention shares (see `Share`), or plain KV group counts; `later`: the ranks whose
     weight gradients come later."""
     g = [share if isinstance(share, tuple) else (share, None) for share in g]
     mlp = [b * dims.mlp_block for b in m]
@@ -202,7 +222,9 @@ def _to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: list[
     vocab[max(range(len(v)), key=lambda i: (v[i], -i))] += dims.vocab_size - sum(vocab)
     rows = [r for _, r in g] if any(r is not None for _, r in g) else None
     return ShardSplit(kv_groups=[k for k, _ in g], kv_rows=rows, mlp_columns=mlp, vocab_rows=vocab,
-                      weight_grads_later=list(later) if later and any(later) else None).check(dims)
+                      weight_grads_later=list(later.mlp) if later and any(later.mlp) else None,
+                      attention_weight_grads_later=list(later.attention) if later and any(later.attention) else None,
+                      ).check(dims)
 
 
 # -- the solver ----------------------------------------------------------------------
@@ -356,11 +378,13 @@ class MlpCost(NamedTuple):
     """A device's MLP segment when its weight-gradient products may move out of it, into the span
     of the layer's attention backward (`edge_node.tp.weight_grads`): they move, all or none, if
     they fit in `room`, the span of the slowest attention backward less the device's own (so the
-    attention segment never grows). Never decreases in units (the saving is lost at a jump up),
-    so water-filling with it stays exact."""
+    attention segment never grows). `extra`: the attention weight-gradient products it takes in
+    from the layer above. Never decreases in units (the saving is lost at a jump up), so
+    water-filling with it stays exact."""
 
     profile: DeviceProfile
     room: float
+    extra: float = 0.0
 
     def moved(self, units: float) -> float:
         """Seconds moved out of the segment with `units` blocks (0: they do not fit, or there are none)."""
@@ -368,15 +392,19 @@ class MlpCost(NamedTuple):
         return seconds if 0 < seconds <= self.room else 0.0
 
     def seconds(self, units: float) -> float:
-        return unit_costs(self.profile)[1].seconds(units) - self.moved(units)
+        return unit_costs(self.profile)[1].seconds(units) - self.moved(units) + self.extra
 
 
-def _mlp_costs(profiles: list[DeviceProfile], attention_units: list[float] | None) -> list[MlpCost]:
-    """Each device's MLP cost beside these attention shares (None: room without limit, a lower bound)."""
+def _mlp_costs(profiles: list[DeviceProfile], attention_units: list[float] | None,
+               deferred: list[float] | None = None) -> list[MlpCost]:
+    """Each device's MLP cost beside these attention shares, of which each device defers `deferred`
+    seconds of weight-gradient products to its MLP segment (None: room without limit, a lower bound)."""
     if attention_units is None:
         return [MlpCost(p, float("inf")) for p in profiles]
-    backs = [attention_backward_seconds(p, a) for p, a in zip(profiles, attention_units)]
-    return [MlpCost(p, max(backs) - b) for p, b in zip(profiles, backs)]
+    deferred = deferred or [0.0] * len(profiles)
+    backs = [attention_backward_seconds(p, a) - d for p, a, d in zip(profiles, attention_units, deferred)]
+    # a device defers one of the two at most: its attention's products to the MLP segment, or its MLP's to the attention's
+    return [MlpCost(p, 0.0 if d > 0 else max(backs) - b, d) for p, b, d in zip(profiles, backs, deferred)]
 
 
 def _mlp_split(costs: list[MlpCost], blocks: int) -> tuple[float, list[int], list[bool]]:
@@ -385,12 +413,40 @@ def _mlp_split(costs: list[MlpCost], blocks: int) -> tuple[float, list[int], lis
     return tm, m, [c.moved(u) > 0 for c, u in zip(costs, m)]
 
 
+def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], blocks: int):
+    """Given each device's attention units: which devices defer their attention's weight gradients
+    to the MLP segment, and the MLP split beside that. Returns (attention + MLP seconds per layer,
+    MLP blocks, Later).
+
+    Exact for these units, a device deferring one of its two components at most: deferring its
+    attention helps only a device whose attention is the segment's longest (elsewhere it only
+    lengthens its MLP and shortens the others' room), so some optimal choice defers exactly the
+    devices above a level; each of the n + 1 levels is tried (with its exact MLP water-fill), no
+    deferral first, so ties keep the plainer plan.
+    """
+    attention = [unit_costs(p)[0].seconds(u) for p, u in zip(profiles, units)]
+    deferrable = [attention_weight_grad_seconds(p, u) if u > 0 else 0.0 for p, u in zip(profiles, units)]
+    best = None
+    for level in sorted(set(attention), reverse=True) + [-1.0]:
+        defer = [a > level and d > 0 for a, d in zip(attention, deferrable)]
+        if best is not None and not any(defer):
+            continue
+        deferred = [d if f else 0.0 for d, f in zip(deferrable, defer)]
+        ta = max(a - d for a, d in zip(attention, deferred))
+        tm, m, mlp_later = _mlp_split(_mlp_costs(profiles, units, deferred), blocks)
+        if best is None or ta + tm < best[0] - 1e-12:
+            best = (ta + tm, m, Later(mlp_later, defer))
+    return best
+
+
 def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False):
     """The best split among exactly `members` (no memory limits), for micro-batches of `rows` rows:
     the vocabulary segment water-filled, the attention laid out by `attention_layout` (or
     water-filled in whole groups, and then only a lower bound when `rows` > 1), and the MLP
     water-filled beside that attention (its weight gradients may go where the attention leaves room).
-    Returns (step, collectives, attention shares, MLP blocks, vocabulary blocks, weight gradients later)."""
+    The attention's own split is the min-max one, or the min-max one of what is left when every
+    device defers its attention's weight gradients, whichever makes the shorter step.
+    Returns (step, collectives, attention shares, MLP blocks, vocabulary blocks, Later)."""
     G, MB, VB = _units(dims)
     part = [profiles[i] for i in members]
     attn, _, vocab = zip(*map(unit_costs, part))
@@ -398,22 +454,29 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     tv, v = water_fill(vocab, VB)
     coll = max(collective_seconds(p, dims) for p in part) if len(members) > 1 else 0.0
     L = dims.num_layers
+    kept = [Segment(a.floor, (1 - p.attention_weight_grad_fraction) * a.fixed,
+                    (1 - p.attention_weight_grad_fraction) * a.per_unit) for a, p in zip(attn, part)]
     if whole_groups and rows > 1 and len(members) > 1:
-        # row shares can only go as low as the fractional water level, and no MLP lower than
-        # with all its weight gradients moved
+        # row shares can only go as low as the fractional water level of the attention that no
+        # deferral removes, and no MLP lower than with all its weight gradients moved and none taken in
         tm, m, later = _mlp_split(_mlp_costs(part, None), MB)
-        return L * (_fractional_level(attn, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v, later
-    tm, m, later = _mlp_split(_mlp_costs(part, g), MB)
-    whole = L * (ta + tm) + tv + coll
+        return (L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v,
+                Later(later, [False] * len(part)))
+    whole = None
+    for groups in (g, water_fill(kept, G)[1]):
+        seconds, m, later = _attention_then_mlp(part, groups, MB)
+        if whole is None or L * seconds + tv + coll < whole[0] - 1e-12:
+            whole = (L * seconds + tv + coll, coll, [(k, None) for k in groups], m, v, later)
     if rows == 1 or len(members) == 1:
-        return whole, coll, [(k, None) for k in g], m, v, later
+        return whole
     share = max(shared_grad_seconds(p, dims, 1) for p in part)
-    attention, layout = attention_layout(list(attn), G, rows, L, share, bound=ta)
+    _, layout = attention_layout(list(attn), G, rows, L, share, bound=ta)
     units = [k if r is None else (r[1] - r[0]) / rows for k, r in layout]
-    tm_rows, m_rows, later_rows = _mlp_split(_mlp_costs(part, units), MB)
-    step = attention + L * tm_rows + tv + coll
-    if step > whole * (1 - ROW_SHARE_MIN_GAIN):
-        return whole, coll, [(k, None) for k in g], m, v, later
+    shared = sum(1 for _, r in layout if r is not None and r[0] == 0)
+    seconds, m_rows, later_rows = _attention_then_mlp(part, units, MB)
+    step = L * seconds + share * shared + tv + coll
+    if step > whole[0] * (1 - ROW_SHARE_MIN_GAIN):
+        return whole
     return step, coll, layout, m_rows, v, later_rows
 
 
@@ -507,14 +570,14 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     full = lambda part, none=0: [part[members.index(i)] if i in members else none for i in range(n)]  # noqa: E731
     y = [1 if i in members else 0 for i in range(n)]
     plan = _explain(profiles, dims, micro_batch, seq_len, full(g, (0, None)), full(m), full(v), y, coll,
-                    full(later, False) if later else None)
+                    Later(full(later.mlp, False), full(later.attention, False)) if later else None)
     return plan if optimal else plan.model_copy(update={"optimal": False})
 
 
 def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None) -> Plan:
     members = [i for i in range(len(profiles)) if y[i]]
     split = _to_split(dims, [g[i] for i in members], [m[i] for i in members], [v[i] for i in members],
-                      [later[i] for i in members] if later else None)
+                      later.select(members) if later else None)
     fixed_bytes, kv_bytes, mlp_bytes, vocab_bytes = unit_bytes(dims, micro_batch, seq_len)
     devices, shares = [], split.shares()
     for i, p in enumerate(profiles):

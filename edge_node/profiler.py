@@ -189,10 +189,11 @@ before a quarter of it, and timing a quarter would take most of the profile's ti
 one needs its quarter, or the loss's fixed work swamps the per-row cost."""
 
 MAX_LATER_FRACTION = 0.6
-"""The weight-gradient products are one of an MLP step's three matrix products per projection
-(~30% of its seconds, with the update); a larger measured part is a disturbed window."""
+"""The weight-gradient products are one of a projection's three matrix products per step (~25% of
+an MLP share's seconds and ~20-30% of an attention share's, with the update); a larger measured
+part is a disturbed window."""
 
-PROFILER_VERSION = 5
+PROFILER_VERSION = 6
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 
@@ -266,6 +267,8 @@ def profile_device(
         mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
                                   position_ids=position_ids)
         rope = model.model.rotary_emb(h, position_ids=position_ids)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # timed as a rank that defers them runs them
+            setattr(layer.self_attn, name, weight_grads_later(getattr(layer.self_attn, name)))
         runs[f"attention-{size}"] = _training_step(
             lambda layer=layer, rope=rope, mask=mask:
                 layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
@@ -291,6 +294,7 @@ def profile_device(
     kv_fixed, per_group = fit_fixed_and_per_unit(seconds["attention-unit"], seconds["attention-share"], groups)
     mlp_fixed, per_mlp = fit_fixed_and_per_unit(seconds["mlp-unit"], seconds["mlp-share"], mlp_blocks)
     vocab_fixed, per_vocab = fit_fixed_and_per_unit(seconds["vocab-unit"], seconds["vocab-share"], vocab_blocks)
+    attention = parts["attention-share"]
     layer_fixed, step_fixed = seconds["norms"], seconds["norms"] / 2  # the final norm; the embedding lookup is cheap
     small, large = seconds["small"], seconds["large"]
     per_mib = max(0.0, (large - small) / ((payload - payload // 16) / 2**20))
@@ -302,7 +306,9 @@ def profile_device(
         layer_fixed_seconds=layer_fixed, step_fixed_seconds=step_fixed,
         kv_fixed_seconds=kv_fixed, mlp_fixed_seconds=mlp_fixed, vocab_fixed_seconds=vocab_fixed,
         mlp_weight_grad_fraction=min(parts["mlp-share"].fraction(parts["mlp-share"].later), MAX_LATER_FRACTION),
-        attention_backward_fraction=parts["attention-share"].fraction(parts["attention-share"].backward),
+        # the span between a layer's backward all-reduces on a rank that computes its products in place
+        attention_backward_fraction=attention.fraction(attention.backward + attention.later),
+        attention_weight_grad_fraction=min(attention.fraction(attention.later), MAX_LATER_FRACTION),
         allreduce_latency_seconds=latency, allreduce_seconds_per_mib=per_mib,
         memory_bytes=memory, address=address, profile_seconds=time.perf_counter() - started,
     )

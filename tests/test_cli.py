@@ -138,5 +138,6 @@ def test_split_marks_the_ranks_whose_weight_gradients_come_later():
         "weight_grads_later": [False, False, True], "kv_groups": [2, 1, 0], "mlp_columns": [896, 384, 256],
         "vocab_rows": [1, 2, 3]}
     assert "weight_grads_later" not in parse_split("kv=2/1/0,mlp=896/384/256")
-    with pytest.raises(argparse.ArgumentTypeError, match="only mlp sizes take a"):
-        parse_split("kv=2*/1/0,mlp=896/384/256")
+    assert parse_split("kv=1/1/1*,mlp=512/512/512")["attention_weight_grads_later"] == [False, False, True]
+    with pytest.raises(argparse.ArgumentTypeError, match="only kv and mlp sizes take a"):
+        parse_split("kv=2/1/0,mlp=896/384/256,vocab=1/2*/3")

@@ -50,9 +50,11 @@ def single_runs(model_dir, data_file, tmp_path_factory):
 CASES = [
     # model, nodes, mode, split override, job options
     ("mha_untied", 2, "tp", None, {}),
-    # ranks 1 and 2 compute their MLP weight gradients later (rank 2 holds no attention, rank 0 no MLP)
+    # ranks 1 and 2 compute their MLP weight gradients later (rank 2 holds no attention, rank 0 no
+    # MLP), ranks 0 and 2 their attention's (rank 2's attention is empty)
     ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 0], "mlp_columns": [0, 64, 96], "vocab_rows": [200, 120, 0],
-                               "weight_grads_later": [False, True, True]}, {}),
+                               "weight_grads_later": [False, True, True],
+                               "attention_weight_grads_later": [True, False, True]}, {}),
     ("gqa_tied", 1, "tp", None, {}),
     ("qwen2_gqa", 3, "xronos", {"kv_groups": [0, 1, 1], "mlp_columns": [77, 0, 51], "vocab_rows": [1, 300, 19]}, {}),
     # KV groups shared by rows of each micro-batch: the strong bench's layout; a shared first group
@@ -61,7 +63,8 @@ CASES = [
     ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 1], "mlp_columns": [96, 32, 32], "vocab_rows": [160, 100, 60],
                                "kv_rows": [None, (0, 3), (3, 4)]}, {}),
     ("qwen2_gqa", 3, "xronos", {"kv_groups": [1, 1, 1], "mlp_columns": [64, 0, 64], "vocab_rows": [100, 120, 100],
-                                "kv_rows": [(0, 1), (1, 2), None], "weight_grads_later": [True, True, False]},
+                                "kv_rows": [(0, 1), (1, 2), None], "weight_grads_later": [True, True, False],
+                                "attention_weight_grads_later": [False, True, True]},
      {"grad_accum": 2}),
     ("mha_untied", 4, "xronos", {"kv_groups": [7, 1, 1, 1], "mlp_columns": [128, 64, 0, 0],
                                  "vocab_rows": [100, 0, 220, 0], "kv_rows": [None, (0, 1), (1, 3), (3, 4)]}, {}),

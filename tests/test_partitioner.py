@@ -20,7 +20,8 @@ from controller.partitioner import (
     unit_bytes,
 )
 from xronos.cli import main
-from xronos.profiles import COMPUTE_FIELDS, DeviceProfile, ProfileShape, attention_backward_seconds, weight_grad_seconds
+from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, ProfileShape, attention_backward_seconds,
+                             attention_weight_grad_seconds, weight_grad_seconds)
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
 
@@ -296,32 +297,36 @@ def test_repeated_replans_converge_on_the_measured_pace():
 def later_profile(p, rng):
     """`p` with measured weight-gradient and attention-backward parts (as the profiler gives them)."""
     return p.model_copy(update={"mlp_weight_grad_fraction": rng.uniform(0.2, 0.45),
-                                "attention_backward_fraction": rng.uniform(0.5, 0.75)})
+                                "attention_backward_fraction": rng.uniform(0.5, 0.75),
+                                "attention_weight_grad_fraction": rng.uniform(0.1, 0.35)})
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_weight_grads_later_fill_the_room_the_attention_leaves(seed):
     """With weight gradients that may come later, the plan is never slower than the best plan
     without (brute force), and given its attention split its MLP split and flags are the best of
-    every integer split and every choice of flags that keeps the attention segment as it is."""
+    every integer split and every choice of flags (each device deferring its attention's or its
+    MLP's products, or neither) whose MLP moves fit the room the attention backward leaves."""
     rng = random.Random(100 + seed)
     profiles = [later_profile(profile(i, rng, slow=s), rng) for i, s in enumerate((1, 2, 4))]
     plan = plan_partition(profiles, DIMS3, 1, 8)
     split = plan.split
     members = [p for p, d in zip(profiles, plan.devices) if d.rank is not None]
-    without = brute_force_rows([p.model_copy(update={"mlp_weight_grad_fraction": 0.0}) for p in profiles], 1)
+    without = brute_force_rows([p.model_copy(update={"mlp_weight_grad_fraction": 0.0,
+                                                     "attention_weight_grad_fraction": 0.0}) for p in profiles], 1)
     assert plan.predicted_step_seconds <= without * (1 + 1e-9)
     assert plan.predicted_step_seconds == pytest.approx(split_step_seconds(members, DIMS3, split), rel=1e-12)
-    plain = step_seconds(members, DIMS3, split.shares())
-    best = plain
+    best = step_seconds(members, DIMS3, split.shares())
     for m in compositions(16, len(members)):
-        for flags in itertools.product([False, True], repeat=len(members)):
-            shares = [(kv, c, v) for (kv, _, v), c in zip(split.shares(), m)]
-            backs = [attention_backward_seconds(p, kv) for p, (kv, _, _) in zip(members, shares)]
-            attention_kept = all(b + weight_grad_seconds(p, c) <= max(backs)  # every move fits its room
-                                 for p, b, c, f in zip(members, backs, m, flags) if f)
-            if attention_kept:
-                best = min(best, step_seconds(members, DIMS3, shares, later=list(flags)))
+        shares = [(kv, c, v) for (kv, _, v), c in zip(split.shares(), m)]
+        for choice in itertools.product(("none", "mlp", "attention"), repeat=len(members)):
+            deferred = [attention_weight_grad_seconds(p, kv) if c == "attention" else 0.0
+                        for p, (kv, _, _), c in zip(members, shares, choice)]
+            backs = [attention_backward_seconds(p, kv) - d for p, (kv, _, _), d in zip(members, shares, deferred)]
+            if all(b + weight_grad_seconds(p, blocks) <= max(backs)  # every MLP move fits its room
+                   for p, b, blocks, c in zip(members, backs, m, choice) if c == "mlp"):
+                best = min(best, step_seconds(members, DIMS3, shares, later=[c == "mlp" for c in choice],
+                                              attention_later=[c == "attention" for c in choice]))
     assert plan.predicted_step_seconds == pytest.approx(best, rel=1e-9)
 
 
@@ -344,3 +349,25 @@ def test_a_device_without_attention_takes_more_mlp_when_its_weight_grads_come_la
     assert after.split.mlp_columns[2] > before.split.mlp_columns[2]
     assert after.predicted_step_seconds < before.predicted_step_seconds
     assert after.predicted_idle_ratio < before.predicted_idle_ratio
+
+
+def test_the_slowest_device_defers_its_attention_products_when_groups_cannot_balance():
+    """Speeds 0.65, 0.52, 0.43 over 3 KV groups (the mild bench): one group each, and the 0.43
+    device sets the pace of every attention segment. With the slower devices' attention weight
+    gradients computed in the MLP segment below, the 0.43 device holds fewer MLP columns and the
+    step is shorter."""
+    base = DeviceProfile(device="d", shape=SHAPE, kv_group_seconds=0.4, kv_fixed_seconds=0.1, mlp_block_seconds=0.1,
+                         mlp_fixed_seconds=0.1, vocab_block_seconds=0.05, layer_fixed_seconds=0.05,
+                         step_fixed_seconds=0.05, allreduce_latency_seconds=0.0, allreduce_seconds_per_mib=0.0,
+                         memory_bytes=1 << 40, attention_backward_fraction=0.65, mlp_weight_grad_fraction=0.3)
+    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) / s for k in COMPUTE_FIELDS}})
+                for i, s in enumerate((0.65, 0.52, 0.43))]
+    before = plan_partition(profiles, DIMS3, 1, 8)
+    after = plan_partition([p.model_copy(update={"attention_weight_grad_fraction": 0.25}) for p in profiles],
+                           DIMS3, 1, 8)
+    assert before.split.kv_groups == after.split.kv_groups == [1, 1, 1]
+    assert before.split.attention_weight_grads_later is None
+    assert after.split.attention_weight_grads_later[2] and not after.split.attention_weight_grads_later[0]
+    assert after.split.mlp_columns[2] < before.split.mlp_columns[2]
+    assert after.predicted_step_seconds < 0.98 * before.predicted_step_seconds
+    assert after.split.describe().startswith("kv 1/1*/1* ")  # here the 0.52 device's too

@@ -10,7 +10,8 @@ from edge_node.tp.weight_grads import WEIGHT_GRADS, WeightGradQueue, weight_grad
 
 def test_later_weight_grads_equal_autograd_ones():
     """Linear layers with and without bias, 3-d inputs, an empty shard, two backward passes
-    accumulating: the queued products give autograd's gradients once flushed, and none before."""
+    accumulating: the queued products give autograd's gradients once flushed (outside any backward
+    pass, as the last layer's attention products are), and none before."""
     torch.manual_seed(0)
     for bias, width in ((True, 5), (False, 5), (True, 0)):
         plain = nn.Linear(7, width, bias=bias)
@@ -26,6 +27,7 @@ def test_later_weight_grads_equal_autograd_ones():
             WEIGHT_GRADS.flush()
         torch.testing.assert_close(x_later.grad, x.grad)
         torch.testing.assert_close(later.weight.grad, plain.weight.grad)
+        assert not later.weight.grad.requires_grad  # a flush outside backward builds no graph
         if bias:
             torch.testing.assert_close(later.bias.grad, plain.bias.grad)
 

@@ -39,15 +39,17 @@ def parse_split(text: str) -> dict[str, list]:
     """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}.
 
     `layers=2/1/1` gives a pipeline's layers per stage (mode pp); `mlp=128/64*/0*` marks the
-    ranks whose MLP weight gradients come later (as `xronos plan` prints them).
+    ranks whose MLP weight gradients come later, `kv=1/1/1*` those whose attention's do (as
+    `xronos plan` prints them).
     """
     out = {}
+    marked = {"mlp": "weight_grads_later", "kv": "attention_weight_grads_later"}
     for item in text.split(","):
         key, _, values = item.partition("=")
-        if "*" in item and key.strip() != "mlp":
-            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: only mlp sizes take a * mark")
+        if "*" in item and key.strip() not in marked:
+            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: only kv and mlp sizes take a * mark")
         if "*" in item:
-            out["weight_grads_later"] = [v.endswith("*") for v in values.split("/")]
+            out[marked[key.strip()]] = [v.endswith("*") for v in values.split("/")]
     text = text.replace("*", "")
     for item in text.split(","):
         key, _, values = item.partition("=")

@@ -59,6 +59,9 @@ class DeviceProfile(BaseModel):
                                           "weight-gradient products, which a rank can compute later (0: unmeasured).")
     attention_backward_fraction: float = Field(
         0.0, ge=0.0, le=1.0, description="Part of an attention share's seconds spent in its backward pass.")
+    attention_weight_grad_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Part of an attention share's seconds (fixed + per group) spent on "
+                                          "its weight-gradient products (0: unmeasured).")
     allreduce_latency_seconds: NonNegativeFloat
     allreduce_seconds_per_mib: NonNegativeFloat = Field(description="This device's CPU cost of an all-reduce, per MiB.")
     memory_bytes: PositiveInt = Field(description="Memory the device can give to the job.")
@@ -105,6 +108,13 @@ def weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:
     weight gradients come later (`edge_node.tp.weight_grads`) moves out of its MLP segment."""
     mlp = unit_costs(p)[1]
     return p.mlp_weight_grad_fraction * (mlp.seconds(blocks) - mlp.floor)
+
+
+def attention_weight_grad_seconds(p: DeviceProfile, groups: float) -> float:
+    """Per layer, the weight-gradient products of `groups` KV groups' attention (q, k, v, o): what a
+    rank whose attention weight gradients come later moves into the MLP segment of the layer below."""
+    attention = unit_costs(p)[0]
+    return p.attention_weight_grad_fraction * (attention.seconds(groups) - attention.floor)
 
 
 def attention_backward_seconds(p: DeviceProfile, groups: float) -> float:

@@ -100,11 +100,15 @@ class ShardSplit(BaseModel):
     weight_grads_later: list[bool] | None = None
     """Per rank, whether its MLP's weight gradients are computed one backward all-reduce later,
     in its wait for the attention of other ranks (`edge_node.tp.weight_grads`); None: on no rank."""
+    attention_weight_grads_later: list[bool] | None = None
+    """Per rank, whether its attention's weight gradients are computed one backward all-reduce
+    later, in the MLP backward of the layer below: the attention segment, which whole KV groups
+    cannot balance, loses them, and the MLP segment, which columns balance, takes them."""
 
     @model_validator(mode="after")
     def _same_world(self) -> "ShardSplit":
         sizes = {len(self.kv_groups), len(self.mlp_columns), len(self.vocab_rows)}
-        for per_rank in (self.kv_rows, self.weight_grads_later):
+        for per_rank in (self.kv_rows, self.weight_grads_later, self.attention_weight_grads_later):
             if per_rank is not None:
                 sizes.add(len(per_rank))
         if len(sizes) != 1 or 0 in sizes:
@@ -190,13 +194,18 @@ class ShardSplit(BaseModel):
         return ends[rank] - parts[rank], ends[rank]
 
     def rank_computes_weight_grads_later(self, rank: int) -> bool:
+        """Whether `rank`'s MLP weight gradients come later."""
         return bool(self.weight_grads_later and self.weight_grads_later[rank])
 
+    def rank_computes_attention_weight_grads_later(self, rank: int) -> bool:
+        return bool(self.attention_weight_grads_later and self.attention_weight_grads_later[rank])
+
     def describe(self) -> str:
-        """One line for terminals: kv 2/1[0:3]/1[3:4] · mlp 128/64/0* · vocab ... ([r0:r1]: rows of a shared
-        group; *: that rank's MLP weight gradients come later)."""
+        """One line for terminals: kv 2*/1[0:3]/1[3:4] · mlp 128/64/0* · vocab ... ([r0:r1]: rows of a
+        shared group; *: that rank's weight gradients of that component come later)."""
         rows = self.kv_rows or [None] * self.world_size
-        kv = [kv_label(g, r) for g, r in zip(self.kv_groups, rows)]
+        kv = [kv_label(g, r) + ("*" if self.rank_computes_attention_weight_grads_later(rank) else "")
+              for rank, (g, r) in enumerate(zip(self.kv_groups, rows))]
         mlp = [f"{c}*" if self.rank_computes_weight_grads_later(r) else str(c) for r, c in enumerate(self.mlp_columns)]
         return " · ".join(
             f"{label} {'/'.join(map(str, parts))}"

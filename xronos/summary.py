@@ -62,8 +62,8 @@ def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
 def print_plan(plan) -> None:
     """The partitioner's plan: who holds what, predicted seconds, and who sits out and why."""
     print(f"split {plan.split.describe()}"
-          + ("  (*: MLP weight gradients computed later, in the wait for attention)"
-             if plan.split.weight_grads_later else ""))
+          + ("  (*: weight gradients computed later: an MLP's in the wait for attention, an attention's"
+             " in the MLP below)" if plan.split.weight_grads_later or plan.split.attention_weight_grads_later else ""))
     print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)"
           + ("" if plan.optimal else "; the best plan found within the solver's time cap, not proven optimal"))
     print(f"predicted idle {plan.predicted_idle_ratio:.1%} (mean over devices of idle / step)")

@@ -45,7 +45,8 @@ def _sharded(linear: nn.Linear, name: str, style, split: ShardSplit, rank: int, 
     part = param_slice(f"{name}.weight", split, rank, dims)
     device = linear.weight.device
     has_bias = linear.bias is not None
-    later = style.unit == "mlp" and split.rank_computes_weight_grads_later(rank)
+    later = (split.rank_computes_weight_grads_later(rank) if style.unit == "mlp"
+             else split.rank_computes_attention_weight_grads_later(rank) if style.unit in ("q", "kv") else False)
     if isinstance(style, ColumnParallel):
         cls = WeightGradLaterLinear if later else nn.Linear
         return cls(linear.in_features, part.size, bias=has_bias, device=device)

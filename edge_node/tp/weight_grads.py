@@ -13,6 +13,12 @@ backward collective later: the layer's MLP all-reduce goes out without it (the
 rank arrives earlier and can hold more MLP columns), and the product is computed
 while the other ranks still compute their attention backward. Same products,
 same sums: the gradients are those of the plain backward up to float round-off.
+
+The other way round too: a rank whose attention share is the largest for its
+speed (whole KV groups rarely divide evenly) can hand its attention's products
+(q, k, v, o) to the queue; they then run in the MLP backward of the layer below,
+a segment the plan balances to the column, and the attention all-reduce that
+everyone waits for comes sooner. The last layer's (layer 0's) run at the flush.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class _LinearWeightGradLater(torch.autograd.Function):
         weight_param, bias_param = ctx.params
         grad_x = grad.matmul(weight)
 
+        @torch.no_grad()  # run in a backward pass or after it (a flush): a gradient, never part of a graph
         def product() -> None:
             g2 = grad.flatten(0, -2)  # (rows, out); flatten, not reshape(-1, ...): a shard may be empty
             _accumulate(weight_param, g2.t().mm(x.flatten(0, -2)))
