@@ -403,7 +403,8 @@ def _mlp_costs(profiles: list[DeviceProfile], attention_units: list[float] | Non
         return [MlpCost(p, float("inf")) for p in profiles]
     deferred = deferred or [0.0] * len(profiles)
     backs = [attention_backward_seconds(p, a) - d for p, a, d in zip(profiles, attention_units, deferred)]
-    # a device defers one of the two at most: its attention's products to the MLP segment, or its MLP's to the attention's
+    # a device defers one of the two at most: its attention's products to the MLP segment, or its
+    # MLP's to the attention's (a deferring device gets no room)
     return [MlpCost(p, 0.0 if d > 0 else max(backs) - b, d) for p, b, d in zip(profiles, backs, deferred)]
 
 
