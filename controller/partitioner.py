@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.errors import XronosError
-from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, Segment, attention_backward_seconds,
+from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, Segment, attention_backward_seconds, attention_kept,
                              attention_weight_grad_seconds, unit_costs, weight_grad_seconds)
 from xronos.report import idle_seconds
 from xronos.splits import ModelDims, ShardSplit
@@ -213,8 +213,8 @@ class Later(NamedTuple):
 
 def _to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: Later | None = None) -> ShardSplit:
     """Blocks to sizes; a tail that is not a whole block goes to the device with the most blocks.
-    `g`: attention shares (see `Share`), or plain KV group counts; `later`: the ranks whose
-    weight gradients come later."""
+    `g`: attention shares (see `Share`), or plain KV group counts; `later`: per rank, whether its
+    MLP's and its attention's weight gradients come later (None: no rank's)."""
     g = [share if isinstance(share, tuple) else (share, None) for share in g]
     mlp = [b * dims.mlp_block for b in m]
     vocab = [b * dims.vocab_block for b in v]
@@ -240,7 +240,8 @@ def _solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int],
     """The same problem for a fixed participant set, with each device's memory limit, by HiGHS.
 
     Only needed when the water-filled split does not fit; returns (step, collectives, g, m, v,
-    None, proven optimal) or None (no weight gradients later: this program leaves them out). With `relax`, the LP relaxation: its step is a lower bound, in
+    None: no weight gradients later, this program leaves them out, proven optimal), or None when
+    the devices cannot hold the model. With `relax`, the LP relaxation: its step is a lower bound, in
     seconds. A binary per device and component says whether it pays that component's fixed
     cost; with fixed costs many memory-bound devices can take HiGHS past MILP_OPTIONS' limit
     (the plan then says `optimal: false`).
@@ -426,12 +427,11 @@ def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], block
     deferral first, so ties keep the plainer plan.
     """
     attention = [unit_costs(p)[0].seconds(u) for p, u in zip(profiles, units)]
-    deferrable = [attention_weight_grad_seconds(p, u) if u > 0 else 0.0 for p, u in zip(profiles, units)]
+    deferrable = [attention_weight_grad_seconds(p, u) for p, u in zip(profiles, units)]
     best = None
-    for level in sorted(set(attention), reverse=True) + [-1.0]:
+    levels = sorted({a for a, d in zip(attention, deferrable) if d > 0}, reverse=True)
+    for level in [float("inf")] + levels[1:] + [-1.0]:  # nothing deferred, then the top device(s), ...
         defer = [a > level and d > 0 for a, d in zip(attention, deferrable)]
-        if best is not None and not any(defer):
-            continue
         deferred = [d if f else 0.0 for d, f in zip(deferrable, defer)]
         ta = max(a - d for a, d in zip(attention, deferred))
         tm, m, mlp_later = _mlp_split(_mlp_costs(profiles, units, deferred), blocks)
@@ -455,8 +455,7 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     tv, v = water_fill(vocab, VB)
     coll = max(collective_seconds(p, dims) for p in part) if len(members) > 1 else 0.0
     L = dims.num_layers
-    kept = [Segment(a.floor, (1 - p.attention_weight_grad_fraction) * a.fixed,
-                    (1 - p.attention_weight_grad_fraction) * a.per_unit) for a, p in zip(attn, part)]
+    kept = [attention_kept(p) for p in part]
     if whole_groups and rows > 1 and len(members) > 1:
         # row shares can only go as low as the fractional water level of the attention that no
         # deferral removes, and no MLP lower than with all its weight gradients moved and none taken in

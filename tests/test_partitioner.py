@@ -10,6 +10,7 @@ import pytest
 
 from controller.partitioner import (
     ROW_SHARE_MIN_GAIN,
+    _solve_members,
     collective_seconds,
     plan_partition,
     recalibrate,
@@ -133,6 +134,18 @@ def test_row_shared_attention_against_brute_force():
         assert plan.predicted_step_seconds == pytest.approx(brute_force_rows(profiles, 3), rel=1e-9), seed
         used += plan.split.kv_rows is not None
     assert used >= 4
+    # with weight gradients that may come later, the bound the plan searches by stays below what it
+    # plans, and the plan prices its rows, deferrals and moves as split_step_seconds does
+    for seed in range(8):
+        rng = random.Random(200 + seed)
+        profiles = [later_profile(recalibrate(profile(0, rng), f).model_copy(update={"device": f"d{i}"}), rng)
+                    for i, f in enumerate((1, rng.uniform(1.5, 2.5), rng.uniform(3, 5)))]
+        plan = plan_partition(profiles, DIMS3, 3, 8)
+        members = [i for i, d in enumerate(plan.devices) if d.rank is not None]
+        bound = _solve_members(profiles, DIMS3, members, 3, whole_groups=True)[0]
+        assert bound <= plan.predicted_step_seconds * (1 + 1e-12)
+        assert plan.predicted_step_seconds == pytest.approx(
+            split_step_seconds([profiles[i] for i in members], DIMS3, plan.split), rel=1e-9)
 
 
 def test_row_shares_are_used_when_they_pay():
@@ -273,7 +286,7 @@ def test_repeated_replans_converge_on_the_measured_pace():
     profiles the last one recalibrated, so the split converges to the one planned with the
     true paces (the error factor f shrinks as f**((1 - RECALIBRATION_STEP)**k)), to within
     the gain a re-shard must promise."""
-    from controller.partitioner import MIN_REPLAN_GAIN, _solve_members, device_compute, recalibrate, replan
+    from controller.partitioner import MIN_REPLAN_GAIN, device_compute, recalibrate, replan
 
     rng = random.Random(7)
     profiles = [profile(i, rng) for i in range(3)]

@@ -110,11 +110,16 @@ def weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:
     return p.mlp_weight_grad_fraction * (mlp.seconds(blocks) - mlp.floor)
 
 
+def attention_kept(p: DeviceProfile) -> Segment:
+    """The attention segment of a rank whose attention weight gradients come later: what stays."""
+    attention, keep = unit_costs(p)[0], 1 - p.attention_weight_grad_fraction
+    return Segment(attention.floor, keep * attention.fixed, keep * attention.per_unit)
+
+
 def attention_weight_grad_seconds(p: DeviceProfile, groups: float) -> float:
     """Per layer, the weight-gradient products of `groups` KV groups' attention (q, k, v, o): what a
     rank whose attention weight gradients come later moves into the MLP segment of the layer below."""
-    attention = unit_costs(p)[0]
-    return p.attention_weight_grad_fraction * (attention.seconds(groups) - attention.floor)
+    return unit_costs(p)[0].seconds(groups) - attention_kept(p).seconds(groups)
 
 
 def attention_backward_seconds(p: DeviceProfile, groups: float) -> float:
