@@ -462,8 +462,8 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
         tm, m, later = _mlp_split(_mlp_costs(part, None), MB)
         return (L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v,
                 Later(later, [False] * len(part)))
-    whole = None
-    for groups in (g, water_fill(kept, G)[1]):
+    whole, g_kept = None, water_fill(kept, G)[1]
+    for groups in [g] + ([g_kept] if g_kept != g else []):
         seconds, m, later = _attention_then_mlp(part, groups, MB)
         if whole is None or L * seconds + tv + coll < whole[0] - 1e-12:
             whole = (L * seconds + tv + coll, coll, [(k, None) for k in groups], m, v, later)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from xronos import __version__
 from xronos.errors import XronosError
 from xronos.job import MODES
+from xronos.splits import WEIGHT_GRADS_LATER
 
 
 def _numbers(text: str, kind=float) -> list:
@@ -43,13 +44,12 @@ def parse_split(text: str) -> dict[str, list]:
     `xronos plan` prints them).
     """
     out = {}
-    marked = {"mlp": "weight_grads_later", "kv": "attention_weight_grads_later"}
     for item in text.split(","):
         key, _, values = item.partition("=")
-        if "*" in item and key.strip() not in marked:
+        if "*" in item and SPLIT_KEYS.get(key.strip()) not in WEIGHT_GRADS_LATER:
             raise argparse.ArgumentTypeError(f"bad --split item {item!r}: only kv and mlp sizes take a * mark")
         if "*" in item:
-            out[marked[key.strip()]] = [v.endswith("*") for v in values.split("/")]
+            out[WEIGHT_GRADS_LATER[SPLIT_KEYS[key.strip()]]] = [v.endswith("*") for v in values.split("/")]
     text = text.replace("*", "")
     for item in text.split(","):
         key, _, values = item.partition("=")

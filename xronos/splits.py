@@ -86,6 +86,11 @@ class ModelDims(BaseModel):
         )
 
 
+WEIGHT_GRADS_LATER = {"mlp_columns": "weight_grads_later", "kv_groups": "attention_weight_grads_later"}
+"""The split dimensions whose weight-gradient products a rank may compute later, and the field that
+marks those ranks (see `edge_node.tp.weight_grads`)."""
+
+
 class ShardSplit(BaseModel):
     """Per-rank sizes of each sharded dimension; index = rank."""
 
@@ -193,20 +198,18 @@ class ShardSplit(BaseModel):
         ends = list(accumulate(parts))
         return ends[rank] - parts[rank], ends[rank]
 
-    def rank_computes_weight_grads_later(self, rank: int) -> bool:
-        """Whether `rank`'s MLP weight gradients come later."""
-        return bool(self.weight_grads_later and self.weight_grads_later[rank])
-
-    def rank_computes_attention_weight_grads_later(self, rank: int) -> bool:
-        return bool(self.attention_weight_grads_later and self.attention_weight_grads_later[rank])
+    def rank_computes_weight_grads_later(self, dim: str, rank: int) -> bool:
+        """Whether `rank`'s weight gradients of dimension `dim` ('kv_groups', 'mlp_columns') come later."""
+        flags = getattr(self, WEIGHT_GRADS_LATER[dim]) if dim in WEIGHT_GRADS_LATER else None
+        return bool(flags and flags[rank])
 
     def describe(self) -> str:
         """One line for terminals: kv 2*/1[0:3]/1[3:4] · mlp 128/64/0* · vocab ... ([r0:r1]: rows of a
         shared group; *: that rank's weight gradients of that component come later)."""
         rows = self.kv_rows or [None] * self.world_size
-        kv = [kv_label(g, r) + ("*" if self.rank_computes_attention_weight_grads_later(rank) else "")
-              for rank, (g, r) in enumerate(zip(self.kv_groups, rows))]
-        mlp = [f"{c}*" if self.rank_computes_weight_grads_later(r) else str(c) for r, c in enumerate(self.mlp_columns)]
+        star = lambda dim, rank: "*" if self.rank_computes_weight_grads_later(dim, rank) else ""  # noqa: E731
+        kv = [kv_label(g, r) + star("kv_groups", rank) for rank, (g, r) in enumerate(zip(self.kv_groups, rows))]
+        mlp = [f"{c}{star('mlp_columns', rank)}" for rank, c in enumerate(self.mlp_columns)]
         return " · ".join(
             f"{label} {'/'.join(map(str, parts))}"
             for label, parts in (("kv", kv), ("mlp", mlp), ("vocab", self.vocab_rows))

@@ -19,7 +19,7 @@ from torch import nn
 from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParallelEmbedding, share_rows
 from edge_node.tp.mappings import copy_to_tp
 from edge_node.tp.weight_grads import WeightGradLaterLinear
-from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice
+from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice, split_dim
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
 
@@ -45,8 +45,7 @@ def _sharded(linear: nn.Linear, name: str, style, split: ShardSplit, rank: int, 
     part = param_slice(f"{name}.weight", split, rank, dims)
     device = linear.weight.device
     has_bias = linear.bias is not None
-    later = (split.rank_computes_weight_grads_later(rank) if style.unit == "mlp"
-             else split.rank_computes_attention_weight_grads_later(rank) if style.unit in ("q", "kv") else False)
+    later = split.rank_computes_weight_grads_later(split_dim(style.unit), rank)
     if isinstance(style, ColumnParallel):
         cls = WeightGradLaterLinear if later else nn.Linear
         return cls(linear.in_features, part.size, bias=has_bias, device=device)

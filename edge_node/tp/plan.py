@@ -61,6 +61,11 @@ MODEL_PLAN: dict[str, Style] = {
 _SPLIT_DIM: dict[Unit, str] = {"q": "kv_groups", "kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows"}
 
 
+def split_dim(unit: Unit) -> str:
+    """The split dimension a unit is counted in ('kv_groups', 'mlp_columns', 'vocab_rows')."""
+    return _SPLIT_DIM[unit]
+
+
 @dataclass(frozen=True)
 class Slice:
     """Rank's part of a full parameter: full.narrow(dim, start, stop - start)."""
@@ -98,7 +103,7 @@ def param_slice(param_name: str, split: ShardSplit, rank: int, dims: ModelDims) 
         return None
     if isinstance(style, RowParallel) and kind == "bias":
         return None
-    lo, hi = split.interval(_SPLIT_DIM[style.unit], rank)
+    lo, hi = split.interval(split_dim(style.unit), rank)
     width = unit_width(style.unit, dims)
     dim = 1 if isinstance(style, RowParallel) else 0
     return Slice(dim, lo * width, hi * width)
