@@ -61,8 +61,9 @@ from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.errors import XronosError
-from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, Segment, attention_backward_seconds, attention_kept,
-                             attention_weight_grad_seconds, unit_costs, weight_grad_seconds)
+from xronos.profiles import (COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile, Segment,
+                             attention_backward_seconds, attention_kept, attention_weight_grad_seconds, unit_costs,
+                             weight_grad_seconds)
 from xronos.report import idle_seconds
 from xronos.splits import ModelDims, ShardSplit
 
@@ -604,16 +605,70 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None)
                 predicted_idle_ratio=sum(idle) / len(idle) / step if step > 0 else 0.0)
 
 
-def recalibrate(profile: DeviceProfile, factor: float) -> DeviceProfile:
-    """The profile with its compute seconds scaled by measured / predicted compute.
+def recalibrate(profile: DeviceProfile, factor: float, segments: dict[str, float] | None = None) -> DeviceProfile:
+    """The profile with its compute seconds scaled by measured / predicted compute (`factor`), and
+    the seconds of each segment in `segments` (by split dimension, see SEGMENT_FIELDS) by its own.
 
     A device in a real job can run faster or slower than its micro-benchmark said
     (contention, thermal limits; under an emulated CPU quota, a device that waits
-    often in collectives gets its quota back and computes faster). Its collective
+    often in collectives gets its quota back and computes faster), and a short
+    micro-benchmark can misjudge one component more than another. Its collective
     cost is left as measured.
     """
     scaled = {k: getattr(profile, k) * factor for k in COMPUTE_FIELDS}
+    for dim, own in (segments or {}).items():
+        scaled |= {k: getattr(profile, k) * own for k in SEGMENT_FIELDS[dim]}
     return profile.model_copy(update=scaled)
+
+
+class MeasuredCompute(NamedTuple):
+    """One rank's compute seconds per micro-step in a job: in all, and of that, in the attention and MLP
+    segments of all its layers and in the vocabulary's (SEGMENT_FIELDS' order; as `edge_node.tp.comm`
+    times them; 0: not measured)."""
+
+    total: float
+    segments: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+def segment_compute(p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float],
+                    mlp_later: bool = False, attention_later: bool = False) -> tuple[float, float, float]:
+    """A device's predicted compute per micro-step in the attention and MLP segments of all layers and
+    in the vocabulary segment, for a share: weight-gradient products counted where they run (moved MLP
+    products in the attention's backward span, deferred attention products in the MLP segment)."""
+    attention, mlp, vocab = segments(p, dims, *share)
+    moved = weight_grad_seconds(p, share[1] / dims.mlp_block) if mlp_later else 0.0
+    deferred = attention_weight_grad_seconds(p, share[0]) if attention_later else 0.0
+    return dims.num_layers * (attention - deferred + moved), dims.num_layers * (mlp - moved + deferred), vocab
+
+
+def calibration_factors(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit,
+                        measured: list[MeasuredCompute]) -> list[tuple[float, dict[str, float]]]:
+    """Per rank: measured / predicted compute in all, and a factor per segment it holds a share of.
+
+    The whole comes from the totals. A segment's factor comes from how the rank's measured
+    segment departs from its prediction, relative to the ranks' geometric mean for that segment
+    (a profile prices each unit with its AdamW update, which runs after the segments: a bias all
+    ranks share, and what all ranks share cannot be told apart from it), centred over the rank's
+    segments (weighted by their predicted seconds) so that the whole keeps its factor to first
+    order. A segment the rank holds no share of (only its floor runs) keeps the whole's factor.
+    """
+    later, attention_later = split.weight_grads_later, split.attention_weight_grads_later
+    whole, logs, weights = [], [], []
+    for r, (p, share, seen) in enumerate(zip(profiles, split.shares(), measured)):
+        predicted = device_compute(p, dims, *share)
+        whole.append(seen.total / predicted if predicted > 0 and seen.total > 0 else 1.0)
+        parts = segment_compute(p, dims, share, bool(later and later[r]), bool(attention_later and attention_later[r]))
+        held = [u > 0 and x > 0 and y > 0 for u, x, y in zip(share, parts, seen.segments)]
+        logs.append([float(np.log(y / x)) if h else None for h, x, y in zip(held, parts, seen.segments)])
+        weights.append([x if h else 0.0 for h, x in zip(held, parts)])
+    means = [np.mean(known) if (known := [row[c] for row in logs if row[c] is not None]) else 0.0
+             for c in range(len(SEGMENT_FIELDS))]
+    factors = []
+    for f, row, w in zip(whole, logs, weights):
+        rel = {dim: x - mean for dim, x, mean in zip(SEGMENT_FIELDS, row, means) if x is not None}
+        centre = sum(w[c] * (x - means[c]) for c, x in enumerate(row) if x is not None) / sum(w) if rel else 0.0
+        factors.append((f, {dim: f * float(np.exp(x - centre)) for dim, x in rel.items()}))
+    return factors
 
 
 RECALIBRATION_STEP = 0.75
@@ -625,7 +680,7 @@ MIN_REPLAN_GAIN = 0.03
 """A re-plan re-shards only if it predicts at least this much shorter steps."""
 
 
-def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[float],
+def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[MeasuredCompute],
            micro_batch: int, seq_len: int) -> tuple[ShardSplit, list[DeviceProfile], list[float]]:
     """A new split for the same ranks from measured compute seconds per micro-step (rank order),
     the profiles recalibrated towards the measurement (the next re-plan starts from them,
@@ -633,14 +688,11 @@ def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, me
 
     The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
     """
-    factors, predictions = [], []
-    for p, share, seconds in zip(profiles, split.shares(), measured):
-        predicted = device_compute(p, dims, *share)
-        predictions.append(predicted)
-        # Most of the way (geometrically) towards the measurement, not all: a device's pace depends
-        # on its share (under a CPU quota, the less it waits the slower it computes).
-        factors.append((seconds / predicted) ** RECALIBRATION_STEP if predicted > 0 and seconds > 0 else 1.0)
-    calibrated = [recalibrate(p, f) for p, f in zip(profiles, factors)]
+    predictions = [device_compute(p, dims, *share) for p, share in zip(profiles, split.shares())]
+    # Most of the way (geometrically) towards the measurement, not all: a device's pace depends
+    # on its share (under a CPU quota, the less it waits the slower it computes).
+    calibrated = [recalibrate(p, f ** RECALIBRATION_STEP, {dim: x ** RECALIBRATION_STEP for dim, x in own.items()})
+                  for p, (f, own) in zip(profiles, calibration_factors(profiles, dims, split, measured))]
     members = list(range(len(profiles)))
     step, coll, g, m, v, later = _solve_members(calibrated, dims, members, micro_batch)
     if not _fits(calibrated, dims, micro_batch, seq_len, members, g, m, v):

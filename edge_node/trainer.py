@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from edge_node import checkpoint
 from edge_node.data import batch_rows
 from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_full, load_shard
-from edge_node.tp.comm import CLOCK
+from edge_node.tp.comm import CLOCK, SEGMENTS
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
@@ -112,6 +112,8 @@ class Trainer:
             self._restore(resume_from)
         self.step_seconds: list[float] = []
         self.comm_seconds: list[float] = []
+        self.segment_seconds: list[tuple[float, ...]] = []
+        """Per step: compute seconds in each of SEGMENTS (`CLOCK.segments`)."""
         if dist.is_initialized():
             dist.barrier()  # slow devices also load slowly: start the first step's clock together
 
@@ -166,10 +168,11 @@ class Trainer:
 
             bar = tqdm(total=self.job.steps, initial=self.start_step, desc=f"{self.job.mode}", file=sys.stderr, unit="step")
         for step in steps:
-            comm0, t0 = CLOCK.seconds, time.perf_counter()
+            comm0, segments0, t0 = CLOCK.seconds, dict(CLOCK.segments), time.perf_counter()
             loss = self.train_step(step)
             self.step_seconds.append(time.perf_counter() - t0)
             self.comm_seconds.append(self.comm_seconds_of_step(self.step_seconds[-1], comm0))
+            self.segment_seconds.append(tuple(CLOCK.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENTS))
             self.losses.append(loss)
             if self.spec.progress_file:
                 self._log_progress(step)
@@ -227,20 +230,24 @@ class Trainer:
     def replan(self) -> None:
         """Re-size every shard from the compute each rank really measured, then re-shard in place.
 
-        Timed steps so far (all but the warm-up) give each rank's compute per step; rank 0
-        re-plans with profiles scaled to match; a changed split is applied through a
-        checkpoint that every rank re-reads its new slices from.
+        Timed steps so far (all but the warm-up) give each rank's compute per step, in all and
+        in its attention, MLP and vocabulary segments; rank 0 re-plans with profiles scaled to
+        match; a changed split is applied through a checkpoint that every rank re-reads its
+        new slices from.
         """
-        from controller.partitioner import replan
+        from controller.partitioner import MeasuredCompute, replan
 
         self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
-        mine = sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / len(timed) / self.job.grad_accum
-        measured = [torch.zeros(1) for _ in range(self.world)]
-        dist.all_gather(measured, torch.tensor([mine]))
+        per_micro_step = len(timed) * self.job.grad_accum
+        mine = [sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / per_micro_step,
+                *(sum(self.segment_seconds[k][i] for k in timed) / per_micro_step for i in range(len(SEGMENTS)))]
+        gathered = [torch.zeros(len(mine)) for _ in range(self.world)]
+        dist.all_gather(gathered, torch.tensor(mine))
+        measured = [MeasuredCompute(t[0].item(), tuple(t[1:].tolist())) for t in gathered]
         box = [None]
         if self.rank == 0:
-            box[0] = replan(self.spec.profiles, self.dims, self.spec.split, [t.item() for t in measured],
+            box[0] = replan(self.spec.profiles, self.dims, self.spec.split, measured,
                             self.job.batch_size // self.job.grad_accum, self.job.seq_len)
         dist.broadcast_object_list(box, src=0)
         new_split, calibrated, predicted = box[0]
@@ -248,7 +255,8 @@ class Trainer:
         accum = self.job.grad_accum
         self.replans.append(ReplanCheck(
             after_step=len(self.step_seconds) + self.start_step,
-            measured_compute_seconds=[t.item() * accum for t in measured],
+            measured_compute_seconds=[m.total * accum for m in measured],
+            measured_segment_seconds=[tuple(x * accum for x in m.segments) for m in measured],
             predicted_compute_seconds=[s * accum for s in predicted],
             new_split=new_split if changed else None))
         self.spec = self.spec.model_copy(update={"profiles": calibrated})

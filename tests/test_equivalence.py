@@ -167,6 +167,9 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     ranks = report.split.world_size
     assert len(check.measured_compute_seconds) == len(check.predicted_compute_seconds) == ranks
     assert all(s > 0 for s in check.measured_compute_seconds + check.predicted_compute_seconds)
+    # of each rank's compute, its attention, MLP and vocabulary segments (every rank runs their norms)
+    for segments, total in zip(check.measured_segment_seconds, check.measured_compute_seconds):
+        assert len(segments) == 3 and all(s > 0 for s in segments) and sum(segments) < total
     assert check.new_split is None or check.new_split == report.split  # the only check: the last split
     assert report.predicted_idle_ratio is not None and 0 <= report.predicted_idle_ratio < 1  # the plan's
     # the report keeps the profiles it planned with: `xronos plan` on it predicts the same idle

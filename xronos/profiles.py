@@ -72,6 +72,11 @@ class DeviceProfile(BaseModel):
 COMPUTE_FIELDS = ("kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds", "layer_fixed_seconds",
                   "step_fixed_seconds", "kv_fixed_seconds", "mlp_fixed_seconds", "vocab_fixed_seconds")
 """A profile's compute seconds (not its collective cost): what scales with the device's pace."""
+SEGMENT_FIELDS = {"kv_groups": ("kv_group_seconds", "kv_fixed_seconds"),
+                  "mlp_columns": ("mlp_block_seconds", "mlp_fixed_seconds"),
+                  "vocab_rows": ("vocab_block_seconds", "vocab_fixed_seconds", "step_fixed_seconds")}
+"""By split dimension, the compute seconds of its segment that a share changes (a job measures each
+segment apart; the layer norms, split between a layer's two segments, stay with the whole)."""
 
 
 REFERENCE_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,

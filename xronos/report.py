@@ -29,6 +29,9 @@ class ReplanCheck(BaseModel):
     """The check ran after this many steps."""
     measured_compute_seconds: list[float]
     """Per rank: mean compute seconds per step over the split's timed steps so far."""
+    measured_segment_seconds: list[tuple[float, float, float]] | None = None
+    """Per rank: of that compute, the seconds in the attention and the MLP segments of all layers, and in
+    the vocabulary segment (the rest: embedding, AdamW)."""
     predicted_compute_seconds: list[float]
     """Per rank: what the plan's profiles, as recalibrated by the earlier checks, predicted per step."""
     new_split: ShardSplit | None = None

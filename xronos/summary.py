@@ -38,12 +38,17 @@ def print_report(report: RunReport) -> None:
 
 
 def replan_lines(report: RunReport) -> list[str]:
-    """One line per re-plan check: measured against predicted compute per rank, and the outcome."""
+    """One line per re-plan check: measured (with its attention + MLP + vocabulary segments) against
+    predicted compute per rank, and the outcome."""
     def seconds(values: list[float]) -> str:
         return "/".join(f"{v:.2f}" for v in values)
 
+    def parts(c) -> str:
+        segments = c.measured_segment_seconds
+        return f" ({'/'.join('+'.join(f'{x:.2f}' for x in rank) for rank in segments)})" if segments else ""
+
     return [
-        f"re-plan after step {c.after_step}: compute per step measured {seconds(c.measured_compute_seconds)}, "
+        f"re-plan after step {c.after_step}: compute per step measured {seconds(c.measured_compute_seconds)}{parts(c)}, "
         f"predicted {seconds(c.predicted_compute_seconds)} -> "
         + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept")
         for c in report.replans

@@ -24,7 +24,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local_max = logits.max(dim=-1).values
         else:
             local_max = logits.new_full((n,), float("-inf"))
-        global_max = all_reduce(local_max.clone(), op=dist.ReduceOp.MAX)
+        global_max = all_reduce(local_max.clone(), op=dist.ReduceOp.MAX, closes="vocab_rows")
         shifted = logits - global_max.unsqueeze(-1)
 
         outside = (target < start) | (target >= start + v_local)
@@ -35,7 +35,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             target_logit = logits.new_zeros(n)
         exp = shifted.exp()
-        sums = all_reduce(torch.stack([exp.sum(dim=-1), target_logit]))  # (2, N)
+        sums = all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), closes="vocab_rows")  # (2, N)
         sum_exp, target_logit = sums[0], sums[1]
 
         loss = sum_exp.log() - target_logit

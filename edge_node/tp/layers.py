@@ -22,6 +22,7 @@ class RowParallelLinear(nn.Module):
 
     With `deferred`, forward returns the partial product only and `finish` sums it
     (for a rank that computes only some rows: the rows are put back in place first).
+    `closes`: the segment whose forward the sum ends (see `edge_node.tp.comm`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
@@ -31,13 +32,14 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.deferred = False
         self.weight_grad_later = False
+        self.closes: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_weight_grad_later(x, self.weight, None) if self.weight_grad_later else F.linear(x, self.weight)
         return y if self.deferred else self.finish(y)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(partial)
+        y = reduce_from_tp(partial, self.closes)
         return y + self.bias if self.bias is not None else y
 
 

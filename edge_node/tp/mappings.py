@@ -5,7 +5,8 @@ every rank already holds it (identity forward), but each rank's slice of the
 block produces only part of its gradient (all-reduce backward).
 `reduce_from_tp` is placed where a parallel block's partial outputs leave it:
 they are summed (all-reduce forward) and the gradient of a sum is the same for
-every rank (identity backward).
+every rank (identity backward). `closes` names the segment whose compute the
+all-reduce ends (see `edge_node.tp.comm`).
 """
 
 from __future__ import annotations
@@ -18,31 +19,32 @@ from edge_node.tp.weight_grads import WEIGHT_GRADS
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, closes):
+        ctx.closes = closes
         return x
 
     @staticmethod
     def backward(ctx, grad):
         WEIGHT_GRADS.before_backward_collective()
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format))
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), closes=ctx.closes), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, closes):
         # A fresh buffer: the collective works in place and autograd owns `x`.
-        return all_reduce(x.clone(memory_format=torch.contiguous_format))
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), closes=closes)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
-def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
-    """Identity forward, all-reduce backward."""
-    return _CopyToTP.apply(x)
+def copy_to_tp(x: torch.Tensor, closes: str | None = None) -> torch.Tensor:
+    """Identity forward, all-reduce backward (which ends the backward of segment `closes`)."""
+    return _CopyToTP.apply(x, closes)
 
 
-def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
-    """All-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x)
+def reduce_from_tp(x: torch.Tensor, closes: str | None = None) -> torch.Tensor:
+    """All-reduce forward (which ends the forward of segment `closes`), identity backward."""
+    return _ReduceFromTP.apply(x, closes)

@@ -36,8 +36,9 @@ def check_supported(config) -> None:
         )
 
 
-def _copy_output_to_tp(module, inputs, output):
-    return copy_to_tp(output)
+def _copy_output_to_tp(closes: str):
+    """A forward hook feeding a norm's output to a parallel block (segment `closes`: its backward ends there)."""
+    return lambda module, inputs, output: copy_to_tp(output, closes)
 
 
 def _sharded(linear: nn.Linear, name: str, style, split: ShardSplit, rank: int, dims: ModelDims) -> nn.Module:
@@ -45,12 +46,13 @@ def _sharded(linear: nn.Linear, name: str, style, split: ShardSplit, rank: int, 
     part = param_slice(f"{name}.weight", split, rank, dims)
     device = linear.weight.device
     has_bias = linear.bias is not None
-    later = split.rank_computes_weight_grads_later(split_dim(style.unit), rank)
+    dim = split_dim(style.unit)
+    later = split.rank_computes_weight_grads_later(dim, rank)
     if isinstance(style, ColumnParallel):
         cls = WeightGradLaterLinear if later else nn.Linear
         return cls(linear.in_features, part.size, bias=has_bias, device=device)
     row = RowParallelLinear(part.size, linear.out_features, bias=has_bias, device=device)
-    row.weight_grad_later = later
+    row.weight_grad_later, row.closes = later, dim
     return row
 
 
@@ -68,8 +70,8 @@ def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
     rows = split.attention_shares()[rank][1]
     for i, layer in enumerate(base.layers):
         prefix = f"model.layers.{i}"
-        layer.input_layernorm.register_forward_hook(_copy_output_to_tp)
-        layer.post_attention_layernorm.register_forward_hook(_copy_output_to_tp)
+        layer.input_layernorm.register_forward_hook(_copy_output_to_tp("kv_groups"))
+        layer.post_attention_layernorm.register_forward_hook(_copy_output_to_tp("mlp_columns"))
         for suffix, style in LAYER_PLAN.items():
             parent_path, _, attr = suffix.rpartition(".")
             parent = layer.get_submodule(parent_path)
@@ -79,7 +81,7 @@ def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
         elif rows is not None:
             share_rows(layer.self_attn, rows, split.micro_batch_rows)
 
-    base.norm.register_forward_hook(_copy_output_to_tp)
+    base.norm.register_forward_hook(_copy_output_to_tp("vocab_rows"))
     model.lm_head = nn.Linear(dims.hidden_size, hi - lo, bias=False, device=device)
     tie_vocab_shards(model)
     return model
