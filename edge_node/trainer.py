@@ -336,6 +336,7 @@ class Trainer:
             measure_from=self.measure_from,
             split=self.spec.split if self.tensor_parallel else None,
             replans=self.replans,
+            segment_seconds=self.segment_seconds if self.tensor_parallel else [],
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
 

@@ -21,6 +21,7 @@ from edge_node.tp.plan import param_slice
 from tests.conftest import SEQ_LEN
 from xronos.cli import main
 from xronos.job import JobOptions
+from xronos.report import segment_wait_seconds
 from xronos.splits import ModelDims, ShardSplit
 
 STEPS = 5
@@ -170,6 +171,9 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     # of each rank's compute, its attention, MLP and vocabulary segments (every rank runs their norms)
     for segments, total in zip(check.measured_segment_seconds, check.measured_compute_seconds):
         assert len(segments) == 3 and all(s > 0 for s in segments) and sum(segments) < total
+    # the waits at segment ends those give: inside each device's communication, none for a device slowest everywhere
+    assert segment_wait_seconds([(1.0, 2.0, 3.0), (2.0, 1.0, 3.0), (2.0, 2.0, 3.0)]) == [1.0, 1.0, 0.0]
+    assert all(0 <= n.segment_wait_seconds <= n.comm_seconds for n in report.nodes)
     assert check.new_split is None or check.new_split == report.split  # the only check: the last split
     assert report.predicted_idle_ratio is not None and 0 <= report.predicted_idle_ratio < 1  # the plan's
     # the report keeps the profiles it planned with: `xronos plan` on it predicts the same idle

@@ -147,11 +147,13 @@ def print_bench(result: BenchResult) -> None:
             if line:
                 print(f"{mode} layouts by round: {line}")
     print("\nper device [speed], seconds per measured step: compute / comm / idle"
-          " (profiled modes: + compute stall = measured / profiled compute - 1)")
+          " (profiled modes: + compute stall = measured / profiled compute - 1; TP modes: + wait at"
+          " segment ends, inside comm)")
     for mode, r in reports.items():
         per = "  ".join(
             node_seconds(n, r.measured_steps)
             + (f" stall {compute_stall(n, r.measured_steps):+.0%}" if n.predicted_compute_seconds else "")
+            + (f" wait {n.segment_wait_seconds / r.measured_steps:.2f}" if n.segment_wait_seconds is not None else "")
             for n in r.nodes
         )
         left_out = "".join(f"  [{e.speed:g}] left out: {e.reason}" for e in r.excluded)

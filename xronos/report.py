@@ -54,6 +54,9 @@ class RankResult(BaseModel):
     split: ShardSplit | None = None
     """The split this rank ended with (a re-plan may change it)."""
     replans: list[ReplanCheck] = []
+    segment_seconds: list[tuple[float, float, float]] = []
+    """Tensor-parallel modes, per step: compute in the attention and MLP segments of all layers and in the
+    vocabulary segment (`edge_node.tp.comm`)."""
 
 
 class LocalAssignment(BaseModel):
@@ -97,6 +100,11 @@ class NodeReport(BaseModel):
     param_bytes: int
     peak_rss_bytes: int
     predicted_compute_seconds: float | None = None
+    segment_wait_seconds: float | None = None
+    """Tensor-parallel modes: per step, the sum over the attention, MLP and vocabulary segments of the
+    slowest device's compute in that segment minus its own (summed over the layers first, so a lower
+    bound): waiting at the segments' all-reduces that the step-level idle does not see (a device
+    idle in one segment and the slowest in another), counted in its communication."""
 
 
 class RunReport(BaseModel):
@@ -132,6 +140,12 @@ def idle_seconds(compute: list[float]) -> list[float]:
     """Each device's idle in a step (measured or predicted): the slowest device's compute minus its own."""
     slowest = max(compute)
     return [slowest - c for c in compute]
+
+
+def segment_wait_seconds(segments: list[tuple[float, ...]]) -> list[float]:
+    """Each device's wait at the segments' ends in one step, from every device's compute per segment."""
+    slowest = [max(column) for column in zip(*segments)]
+    return [sum(m - x for m, x in zip(slowest, mine)) for mine in segments]
 
 
 def measured_range(n_steps: int, start: int = 0) -> range:
@@ -185,6 +199,8 @@ def build_report(
     step_seconds = [max(r.step_seconds[k] for r in results) for k in range(n)]
     compute = [[r.step_seconds[k] - r.comm_seconds[k] for k in range(n)] for r in results]
     idle_by_step = {k: idle_seconds([c[k] for c in compute]) for k in steps}
+    timed_segments = all(len(r.segment_seconds) == n for r in results) and len(results) > 1
+    waits = {k: segment_wait_seconds([r.segment_seconds[k] for r in results]) for k in steps} if timed_segments else None
     nodes = []
     for rank, (r, c) in enumerate(zip(results, compute)):
         idle = [idle_by_step[k][rank] for k in steps]
@@ -205,6 +221,7 @@ def build_report(
                 idle_ratio=sum(i / step_seconds[k] for i, k in zip(idle, steps)) / len(steps),
                 param_bytes=r.param_bytes,
                 peak_rss_bytes=r.peak_rss_bytes,
+                segment_wait_seconds=sum(waits[k][rank] for k in steps) if waits else None,
             )
         )
     return RunReport(
