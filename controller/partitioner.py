@@ -605,9 +605,9 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None)
                 predicted_idle_ratio=sum(idle) / len(idle) / step if step > 0 else 0.0)
 
 
-def recalibrate(profile: DeviceProfile, factor: float, segments: dict[str, float] | None = None) -> DeviceProfile:
+def recalibrate(profile: DeviceProfile, factor: float, per_segment: dict[str, float] | None = None) -> DeviceProfile:
     """The profile with its compute seconds scaled by measured / predicted compute (`factor`), and
-    the seconds of each segment in `segments` (by split dimension, see SEGMENT_FIELDS) by its own.
+    the seconds of each segment in `per_segment` (by split dimension, see SEGMENT_FIELDS) by its own.
 
     A device in a real job can run faster or slower than its micro-benchmark said
     (contention, thermal limits; under an emulated CPU quota, a device that waits
@@ -616,7 +616,7 @@ def recalibrate(profile: DeviceProfile, factor: float, segments: dict[str, float
     cost is left as measured.
     """
     scaled = {k: getattr(profile, k) * factor for k in COMPUTE_FIELDS}
-    for dim, own in (segments or {}).items():
+    for dim, own in (per_segment or {}).items():
         scaled |= {k: getattr(profile, k) * own for k in SEGMENT_FIELDS[dim]}
     return profile.model_copy(update=scaled)
 
