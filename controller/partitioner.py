@@ -143,6 +143,14 @@ def segments(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: f
     return attn.seconds(kv_groups), mlp.seconds(mlp_columns / dims.mlp_block), vocab.seconds(vocab_rows / dims.vocab_block)
 
 
+def later_products(p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float], mlp_later: bool,
+                   attention_later: bool) -> tuple[float, float]:
+    """Per layer, for a device holding `share`: the seconds of MLP weight-gradient products it moves into
+    its attention's backward span, and of attention products it defers to the MLP segment below."""
+    return (weight_grad_seconds(p, share[1] / dims.mlp_block) if mlp_later else 0.0,
+            attention_weight_grad_seconds(p, share[0]) if attention_later else 0.0)
+
+
 def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: float, vocab_rows: float) -> float:
     """Predicted compute seconds of one micro-step for a device holding this share."""
     attn, mlp, vocab = segments(p, dims, kv_groups, mlp_columns, vocab_rows)
@@ -157,10 +165,9 @@ def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tu
     MLP's weight gradients in the attention backward's span (what does not fit lengthens it), and
     those flagged in `attention_later` their attention's in the MLP segment (of the layer below)."""
     segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
-    moved = [weight_grad_seconds(p, share[1] / dims.mlp_block) if later and later[i] else 0.0
-             for i, (p, share) in enumerate(zip(profiles, shares))]
-    deferred = [attention_weight_grad_seconds(p, share[0]) if attention_later and attention_later[i] else 0.0
-                for i, (p, share) in enumerate(zip(profiles, shares))]
+    moved, deferred = zip(*(later_products(p, dims, share, bool(later and later[i]),
+                                           bool(attention_later and attention_later[i]))
+                            for i, (p, share) in enumerate(zip(profiles, shares))))
     backs = [attention_backward_seconds(p, share[0]) - d for p, share, d in zip(profiles, shares, deferred)]
     overflow = max(b + w for b, w in zip(backs, moved)) - max(backs)
     coll = max(collective_seconds(p, dims) for p in profiles) if len(profiles) > 1 else 0.0
@@ -636,8 +643,7 @@ def segment_compute(p: DeviceProfile, dims: ModelDims, share: tuple[float, float
     in the vocabulary segment, for a share: weight-gradient products counted where they run (moved MLP
     products in the attention's backward span, deferred attention products in the MLP segment)."""
     attention, mlp, vocab = segments(p, dims, *share)
-    moved = weight_grad_seconds(p, share[1] / dims.mlp_block) if mlp_later else 0.0
-    deferred = attention_weight_grad_seconds(p, share[0]) if attention_later else 0.0
+    moved, deferred = later_products(p, dims, share, mlp_later, attention_later)
     return dims.num_layers * (attention - deferred + moved), dims.num_layers * (mlp - moved + deferred), vocab
 
 
@@ -652,12 +658,12 @@ def calibration_factors(profiles: list[DeviceProfile], dims: ModelDims, split: S
     segments (weighted by their predicted seconds) so that the whole keeps its factor to first
     order. A segment the rank holds no share of (only its floor runs) keeps the whole's factor.
     """
-    later, attention_later = split.weight_grads_later, split.attention_weight_grads_later
     whole, logs, weights = [], [], []
     for r, (p, share, seen) in enumerate(zip(profiles, split.shares(), measured)):
         predicted = device_compute(p, dims, *share)
         whole.append(seen.total / predicted if predicted > 0 and seen.total > 0 else 1.0)
-        parts = segment_compute(p, dims, share, bool(later and later[r]), bool(attention_later and attention_later[r]))
+        parts = segment_compute(p, dims, share, *(split.rank_computes_weight_grads_later(dim, r)
+                                                  for dim in ("mlp_columns", "kv_groups")))
         held = [u > 0 and x > 0 and y > 0 for u, x, y in zip(share, parts, seen.segments)]
         logs.append([float(np.log(y / x)) if h else None for h, x, y in zip(held, parts, seen.segments)])
         weights.append([x if h else 0.0 for h, x in zip(held, parts)])

@@ -24,14 +24,14 @@ from safetensors.torch import load_file
 from edge_node import checkpoint
 from edge_node.data import batch_rows
 from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_full, load_shard
-from edge_node.tp.comm import CLOCK, SEGMENTS
+from edge_node.tp.comm import CLOCK
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
 from edge_node.tp.weight_grads import WEIGHT_GRADS
 from xronos.errors import XronosError
 from xronos.job import JobOptions
-from xronos.profiles import DeviceProfile
+from xronos.profiles import SEGMENT_FIELDS, DeviceProfile
 from xronos.report import WARMUP_STEPS, RankResult, ReplanCheck
 from xronos.splits import ModelDims, ShardSplit
 
@@ -113,7 +113,7 @@ class Trainer:
         self.step_seconds: list[float] = []
         self.comm_seconds: list[float] = []
         self.segment_seconds: list[tuple[float, ...]] = []
-        """Per step: compute seconds in each of SEGMENTS (`CLOCK.segments`)."""
+        """Per step: compute seconds in each segment, SEGMENT_FIELDS' order (`CLOCK.segments`)."""
         if dist.is_initialized():
             dist.barrier()  # slow devices also load slowly: start the first step's clock together
 
@@ -172,7 +172,7 @@ class Trainer:
             loss = self.train_step(step)
             self.step_seconds.append(time.perf_counter() - t0)
             self.comm_seconds.append(self.comm_seconds_of_step(self.step_seconds[-1], comm0))
-            self.segment_seconds.append(tuple(CLOCK.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENTS))
+            self.segment_seconds.append(tuple(CLOCK.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENT_FIELDS))
             self.losses.append(loss)
             if self.spec.progress_file:
                 self._log_progress(step)
@@ -241,7 +241,7 @@ class Trainer:
         timed = range(self.timed_from(), len(self.step_seconds))
         per_micro_step = len(timed) * self.job.grad_accum
         mine = [sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / per_micro_step,
-                *(sum(self.segment_seconds[k][i] for k in timed) / per_micro_step for i in range(len(SEGMENTS)))]
+                *(sum(column) / per_micro_step for column in zip(*(self.segment_seconds[k] for k in timed)))]
         gathered = [torch.zeros(len(mine)) for _ in range(self.world)]
         dist.all_gather(gathered, torch.tensor(mine))
         measured = [MeasuredCompute(t[0].item(), tuple(t[1:].tolist())) for t in gathered]

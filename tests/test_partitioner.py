@@ -288,7 +288,7 @@ def measured_on(truth, split, dims=DIMS, apart=True):
 
     out = []
     for r, (t, share) in enumerate(zip(truth, split.shares())):
-        flags = [bool(f and f[r]) for f in (split.weight_grads_later, split.attention_weight_grads_later)]
+        flags = [split.rank_computes_weight_grads_later(dim, r) for dim in ("mlp_columns", "kv_groups")]
         parts = segment_compute(t, dims, share, *flags) if apart else (0.0, 0.0, 0.0)
         out.append(MeasuredCompute(device_compute(t, dims, *share), parts))
     return out

@@ -28,13 +28,11 @@ class CommClock:
     last_end: float | None = None
     """When the last collective returned (perf_counter)."""
     segments: dict[str, float] = field(default_factory=dict)
-    """Compute seconds before the collectives that close each kind of segment (SEGMENTS)."""
+    """Compute seconds before the collectives that close each kind of segment (by split dimension: every
+    layer's attention and MLP, the vocabulary's final norm, LM head and loss; not the embedding or AdamW)."""
 
 
 CLOCK = CommClock()
-SEGMENTS = ("kv_groups", "mlp_columns", "vocab_rows")
-"""The segments a step's compute is measured in, by split dimension: every layer's attention and MLP, and
-the vocabulary (final norm, LM head, loss); the rest (embedding, AdamW) is outside them."""
 
 
 def world_size(group=None) -> int:
