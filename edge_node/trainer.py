@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from edge_node import checkpoint
 from edge_node.data import batch_rows
 from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_full, load_shard
-from edge_node.tp.comm import CLOCK
+from edge_node.tp.comm import CLOCK, time_collectives, use_hub
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
@@ -32,7 +32,7 @@ from edge_node.tp.weight_grads import WEIGHT_GRADS
 from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import SEGMENT_FIELDS, DeviceProfile
-from xronos.report import WARMUP_STEPS, RankResult, ReplanCheck
+from xronos.report import WARMUP_STEPS, CollectiveChoice, RankResult, ReplanCheck
 from xronos.splits import ModelDims, ShardSplit
 
 KEEP_CHECKPOINTS = 2
@@ -114,8 +114,30 @@ class Trainer:
         self.comm_seconds: list[float] = []
         self.segment_seconds: list[tuple[float, ...]] = []
         """Per step: compute seconds in each segment, SEGMENT_FIELDS' order (`CLOCK.segments`)."""
+        self.collective = self.choose_collective() if self.tensor_parallel and self.world > 1 else None
         if dist.is_initialized():
             dist.barrier()  # slow devices also load slowly: start the first step's clock together
+
+    def choose_collective(self) -> CollectiveChoice:
+        """The all-reduce of this job's TP group (`edge_node.tp.comm`); every rank must call this.
+
+        The hub is the rank whose profile exchanges bytes cheapest (it moves n-1 times what
+        the others do); without profiles (mode tp does not profile), rank 0. `auto` times
+        both algorithms at the size of an activation and keeps the faster.
+        """
+        from controller.partitioner import collective_seconds
+
+        profiles = self.spec.profiles
+        costs = [collective_seconds(p, self.dims) for p in profiles] if profiles else [0.0]
+        hub = costs.index(min(costs))
+        algorithm, ring_s, hub_s = self.job.collective, None, None
+        if algorithm == "auto":
+            micro_batch = self.job.batch_size // self.job.grad_accum
+            ring_s, hub_s = time_collectives(micro_batch * self.job.seq_len * self.dims.hidden_size, hub)
+            algorithm = "hub" if hub_s < ring_s else "ring"
+        use_hub(hub if algorithm == "hub" else None)
+        return CollectiveChoice(algorithm=algorithm, hub_rank=hub if algorithm == "hub" else None,
+                                ring_seconds=ring_s, hub_seconds=hub_s)
 
     # -- what this rank holds (overridden by the pipeline trainer) ---------------
     def world_size(self) -> int:
@@ -338,6 +360,7 @@ class Trainer:
             replans=self.replans,
             segment_seconds=self.segment_seconds if self.tensor_parallel else [],
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            collective=self.collective,
         )
 
     def close(self) -> None:

@@ -50,25 +50,27 @@ def single_runs(model_dir, data_file, tmp_path_factory):
 
 CASES = [
     # model, nodes, mode, split override, job options
-    ("mha_untied", 2, "tp", None, {}),
+    ("mha_untied", 2, "tp", None, {"collective": "hub"}),
     # ranks 1 and 2 compute their MLP weight gradients later (rank 2 holds no attention, rank 0 no
     # MLP), ranks 0 and 2 their attention's (rank 2's attention is empty)
     ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 0], "mlp_columns": [0, 64, 96], "vocab_rows": [200, 120, 0],
                                "weight_grads_later": [False, True, True],
-                               "attention_weight_grads_later": [True, False, True]}, {}),
+                               "attention_weight_grads_later": [True, False, True]}, {"collective": "hub"}),
     ("gqa_tied", 1, "tp", None, {}),
-    ("qwen2_gqa", 3, "xronos", {"kv_groups": [0, 1, 1], "mlp_columns": [77, 0, 51], "vocab_rows": [1, 300, 19]}, {}),
+    ("qwen2_gqa", 3, "xronos", {"kv_groups": [0, 1, 1], "mlp_columns": [77, 0, 51], "vocab_rows": [1, 300, 19]},
+     {"collective": "ring"}),
     # KV groups shared by rows of each micro-batch: the strong bench's layout; a shared first group
     # before a whole one (q/k/v biases summed too) over two micro-batches of 2 rows (the shared
     # gradients are summed once per step, after both); a group shared three ways beside empty shards
     ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 1], "mlp_columns": [96, 32, 32], "vocab_rows": [160, 100, 60],
-                               "kv_rows": [None, (0, 3), (3, 4)]}, {}),
+                               "kv_rows": [None, (0, 3), (3, 4)]}, {"collective": "hub"}),
     ("qwen2_gqa", 3, "xronos", {"kv_groups": [1, 1, 1], "mlp_columns": [64, 0, 64], "vocab_rows": [100, 120, 100],
                                 "kv_rows": [(0, 1), (1, 2), None], "weight_grads_later": [True, True, False],
                                 "attention_weight_grads_later": [False, True, True]},
-     {"grad_accum": 2}),
+     {"grad_accum": 2, "collective": "ring"}),
     ("mha_untied", 4, "xronos", {"kv_groups": [7, 1, 1, 1], "mlp_columns": [128, 64, 0, 0],
-                                 "vocab_rows": [100, 0, 220, 0], "kv_rows": [None, (0, 1), (1, 3), (3, 4)]}, {}),
+                                 "vocab_rows": [100, 0, 220, 0], "kv_rows": [None, (0, 1), (1, 3), (3, 4)]},
+     {"collective": "hub"}),
 ]
 
 
@@ -93,6 +95,11 @@ def test_tp_equals_single(name, nodes, mode, split, options, model_dir, data_fil
                        show_progress=False)
 
     assert report.world_size == nodes
+    if nodes > 1:  # the all-reduce asked for (without profiles the hub is rank 0)
+        assert report.collective.algorithm == options["collective"]
+        assert report.collective.hub_rank == (0 if options["collective"] == "hub" else None)
+    else:
+        assert report.collective is None
     if split:
         assert report.split == ShardSplit(**split)
     assert len(report.losses) == STEPS
@@ -175,6 +182,11 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     assert segment_wait_seconds([(1.0, 2.0, 3.0), (2.0, 1.0, 3.0), (2.0, 2.0, 3.0)]) == [1.0, 1.0, 0.0]
     assert all(0 <= n.segment_wait_seconds <= n.comm_seconds for n in report.nodes)
     assert check.new_split is None or check.new_split == report.split  # the only check: the last split
+    # collective `auto` timed both all-reduces on the job's ranks and kept the faster; the hub is a participant
+    chosen = report.collective
+    assert chosen.ring_seconds > 0 and chosen.hub_seconds > 0
+    assert chosen.algorithm == ("hub" if chosen.hub_seconds < chosen.ring_seconds else "ring")
+    assert chosen.hub_rank is None or 0 <= chosen.hub_rank < ranks
     assert report.predicted_idle_ratio is not None and 0 <= report.predicted_idle_ratio < 1  # the plan's
     # the report keeps the profiles it planned with: `xronos plan` on it predicts the same idle
     assert len(report.profiles) == 3

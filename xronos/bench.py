@@ -158,6 +158,9 @@ def print_bench(result: BenchResult) -> None:
         )
         left_out = "".join(f"  [{e.speed:g}] left out: {e.reason}" for e in r.excluded)
         print(f"{mode:<8} {per}{left_out}")
+    collectives = [f"{mode} {r.collective.describe()}" for mode, r in reports.items() if r.collective]
+    if collectives:
+        print("\n" + "\n".join(collectives))
     if "xronos" in reports and reports["xronos"].replans:
         print("\nxronos (its median round), rank order:\n" + "\n".join(replan_lines(reports["xronos"])))
     if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:

@@ -81,6 +81,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replan-after", type=int, default=2,
                    help="xronos mode: check the split against the measured compute every this many timed steps "
                         "(re-shard for a predicted 3%% gain; at most 8 checks, 3 re-shards; 0: never)")
+    p.add_argument("--collective", choices=("auto", "ring", "hub"), default="auto",
+                   help="tp and xronos modes: all-reduce by gloo's ring, through a hub (the device with the "
+                        "cheapest exchange), or auto: time both on the job's devices first and keep the faster")
 
 
 def _job_from_args(args):
@@ -102,6 +105,7 @@ def _job_from_args(args):
         resume=args.resume,
         micro_batches=args.micro_batches,
         replan_after=args.replan_after,
+        collective=args.collective,
     )
 
 

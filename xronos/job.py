@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 Mode = Literal["single", "tp", "xronos", "pp"]
+Collective = Literal["auto", "ring", "hub"]
 MODES: tuple[str, ...] = ("single", "tp", "xronos", "pp")
 
 
@@ -33,6 +34,10 @@ class JobOptions(BaseModel):
                        "and re-shard when that predicts 3% shorter steps (at most 8 checks and 3 re-shards, "
                        "in the first half of the job; 0: never).")
     micro_batches: PositiveInt | None = Field(None, description="Pipeline mode: micro-batches per step (default: batch_size).")
+    collective: Collective = Field(
+        "auto", description="Modes tp and xronos: how the ranks all-reduce: `ring` (gloo's), `hub` (through the rank "
+                            "with the cheapest measured exchange; rank 0 without profiles), or `auto` (time both at the "
+                            "job's activation size before the first step and keep the faster).")
 
     @model_validator(mode="after")
     def _accumulation_divides_batch(self) -> "JobOptions":

@@ -10,6 +10,8 @@ size) are not measured when there are more.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 from xronos.profiles import DeviceProfile
@@ -38,6 +40,26 @@ class ReplanCheck(BaseModel):
     """The split it re-sharded to; None: the split was kept (gain under the threshold)."""
 
 
+class CollectiveChoice(BaseModel):
+    """How a tensor-parallel job's ranks all-reduced (`edge_node.tp.comm`), and what `auto` measured to choose."""
+
+    algorithm: Literal["ring", "hub"]
+    hub_rank: int | None = None
+    ring_seconds: float | None = None
+    """Collective `auto`: one all-reduce of an activation by gloo's ring (the slowest rank's median)."""
+    hub_seconds: float | None = None
+    """Collective `auto`: the same through the hub."""
+
+    def label(self) -> str:
+        """'ring' or 'hub@R'."""
+        return self.algorithm if self.hub_rank is None else f"hub@{self.hub_rank}"
+
+    def describe(self) -> str:
+        measured = (f" (auto: ring {self.ring_seconds * 1e3:.1f} ms, hub {self.hub_seconds * 1e3:.1f} ms per activation)"
+                    if self.ring_seconds is not None and self.hub_seconds is not None else "")
+        return f"all-reduce {'by the ring' if self.hub_rank is None else f'through rank {self.hub_rank}'}{measured}"
+
+
 class RankResult(BaseModel):
     """What one worker measured, written by the worker at the end of a job."""
 
@@ -57,6 +79,8 @@ class RankResult(BaseModel):
     segment_seconds: list[tuple[float, float, float]] = []
     """Tensor-parallel modes, per step: compute in the attention and MLP segments of all layers and in the
     vocabulary segment (`edge_node.tp.comm`)."""
+    collective: CollectiveChoice | None = None
+    """Tensor-parallel modes on more than one rank."""
 
 
 class LocalAssignment(BaseModel):
@@ -124,6 +148,8 @@ class RunReport(BaseModel):
     excluded: list[ExcludedDevice] = []
     replans: list[ReplanCheck] = []
     """Mode xronos: every re-plan check, in order (a resumed job's too: checkpoints keep them)."""
+    collective: CollectiveChoice | None = None
+    """Tensor-parallel modes on more than one rank: the all-reduce the ranks used."""
     profiles: list[DeviceProfile] = []
     """Runs that were profiled (xronos and pp locally; every mode a controller plans): every
     device's profile the plan was made from, in device order (left-out devices too), so that
@@ -236,4 +262,5 @@ def build_report(
         idle_ratio=sum(node.idle_ratio for node in nodes) / len(nodes),
         nodes=nodes,
         replans=results[0].replans,
+        collective=results[0].collective,
     )

@@ -30,6 +30,8 @@ def print_report(report: RunReport) -> None:
             f"{n.name or '-':<12} " * named + f"{n.rank:>4} {speed:>5} {kv_label(n.kv_groups, n.kv_rows):>6} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
             f"{n.comm_seconds:>7.2f} {n.idle_seconds:>7.2f} {n.idle_ratio:>6.1%} {_mib(n.param_bytes):>10} {_mib(n.peak_rss_bytes):>12}"
         )
+    if report.collective is not None:
+        print(report.collective.describe())
     for e in report.excluded:
         speed = "-" if e.speed is None else f"{e.speed:g}"
         print(f"left out: {f'node {e.name}' if e.name else f'device {e.device}'} (speed {speed}): {e.reason}")
@@ -58,10 +60,12 @@ def replan_lines(report: RunReport) -> list[str]:
 def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
     """Step time, idle ratio and final loss per mode, with each mode's ratio to `baseline`."""
     base = next((r for r in reports if r.mode == baseline), None)
-    print(f"\n{'mode':<8} {'split':<44} {'step s':>7} {'vs ' + baseline:>7} {'idle':>6} {'final loss':>10}")
+    print(f"\n{'mode':<8} {'split':<44} {'reduce':>6} {'step s':>7} {'vs ' + baseline:>7} {'idle':>6} {'final loss':>10}")
     for r in reports:
         ratio = f"{r.mean_step_seconds / base.mean_step_seconds:.2f}" if base else "-"
-        print(f"{r.mode:<8} {describe_layout(r.split, r.stages)[:44]:<44} {r.mean_step_seconds:>7.3f} {ratio:>7} {r.idle_ratio:>6.1%} {r.losses[-1]:>10.4f}")
+        reduce = r.collective.label() if r.collective else "-"
+        print(f"{r.mode:<8} {describe_layout(r.split, r.stages)[:44]:<44} {reduce:>6} {r.mean_step_seconds:>7.3f} {ratio:>7} "
+              f"{r.idle_ratio:>6.1%} {r.losses[-1]:>10.4f}")
 
 
 def print_plan(plan) -> None:

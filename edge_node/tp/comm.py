@@ -8,10 +8,21 @@ vocabulary's, says so (`closes`, the split dimension), and the compute since
 the previous collective is added to that segment: the job itself measures
 each rank's pace per component, which the re-plan calibrates the profiles
 with.
+
+The whole TP group's all-reduces run either as gloo's ring or through a hub
+(`use_hub`): every other rank sends its tensor to the hub, which combines
+them and sends the result back. The ring moves less data per rank (2(n-1)/n
+of the tensor; the hub's link carries 2(n-1) tensors), but it takes 2(n-1)
+dependent steps, and on CPUs under quotas every step waits for the most
+recently throttled peer to be scheduled again; the hub takes two. Which one is
+faster depends on the devices and the network between them, so a job with
+`collective: auto` times both at its activation size on its own ranks before
+the first step (`time_collectives`) and keeps the faster.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +46,21 @@ class CommClock:
 CLOCK = CommClock()
 
 
+@dataclass
+class HubCollective:
+    """The rank that sums the TP group's all-reduces (None: gloo's ring); set by the trainer."""
+
+    hub: int | None = None
+
+
+HUB = HubCollective()
+
+
+def use_hub(hub: int | None) -> None:
+    """Run the whole group's all-reduces through rank `hub` from now on (None: gloo's ring)."""
+    HUB.hub = hub
+
+
 def world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -48,8 +74,62 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, closes: s
     start = time.perf_counter()
     if closes is not None and CLOCK.last_end is not None:
         CLOCK.segments[closes] = CLOCK.segments.get(closes, 0.0) + start - CLOCK.last_end
-    dist.all_reduce(tensor, op=op, group=group)
+    if HUB.hub is not None and group is None:
+        _hub_all_reduce(tensor, op, HUB.hub)
+    else:
+        dist.all_reduce(tensor, op=op, group=group)
     CLOCK.last_end = time.perf_counter()
     CLOCK.seconds += CLOCK.last_end - start
     CLOCK.calls += 1
     return tensor
+
+
+def time_collectives(numel: int, hub: int, trials: int = 8) -> tuple[float, float]:
+    """Seconds of one all-reduce of `numel` floats by the ring and through `hub`, as every rank agrees.
+
+    The two are timed alternately (so both see the same load), each rank takes its median, and
+    the ranks take the maximum (what the slowest participant makes everyone wait): every rank
+    gets the same pair, so every rank makes the same choice. Not counted in CLOCK.
+    """
+    tensor, seconds = torch.zeros(numel), {"ring": [], "hub": []}
+    dist.barrier()
+    for _ in range(trials):
+        for name in seconds:
+            start = time.perf_counter()
+            if name == "hub":
+                _hub_all_reduce(tensor, dist.ReduceOp.SUM, hub)
+            else:
+                dist.all_reduce(tensor)
+            seconds[name].append(time.perf_counter() - start)
+    agreed = torch.tensor([statistics.median(seconds["ring"]), statistics.median(seconds["hub"])])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return agreed[0].item(), agreed[1].item()
+
+
+def _hub_all_reduce(tensor: torch.Tensor, op, hub: int) -> None:
+    """All-reduce through `hub`: the others send, the hub combines in rank order and sends the result back.
+
+    Every rank ends with the hub's bytes, so all hold the same result (as with the ring);
+    the sum's order differs from the ring's only by float32 round-off.
+    """
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        raise ValueError(f"the hub all-reduce sums or takes the maximum, not {op}")
+    if not tensor.is_contiguous():
+        raise ValueError("the hub all-reduce needs a contiguous tensor")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank != hub:
+        dist.send(tensor, dst=hub)
+        dist.recv(tensor, src=hub)
+        return
+    peers = [r for r in range(n) if r != hub]
+    parts = {r: torch.empty_like(tensor) for r in peers}
+    for request in [dist.irecv(parts[r], src=r) for r in peers]:
+        request.wait()
+    combine = torch.Tensor.add_ if op == dist.ReduceOp.SUM else lambda t, other: torch.maximum(t, other, out=t)
+    result = tensor if hub == 0 else parts[0]
+    for r in range(1, n):
+        combine(result, tensor if r == hub else parts[r])
+    if result is not tensor:
+        tensor.copy_(result)
+    for request in [dist.isend(tensor, dst=r) for r in peers]:
+        request.wait()

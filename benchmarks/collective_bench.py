@@ -1,0 +1,75 @@
+"""Benchmark: one all-reduce by gloo's ring and through a hub, on ranks under CPU quotas.
+
+Starts one process per `--speeds` entry, each under a cgroup v1 quota of that many
+cores (4 ms period, as `xronos run` sets them; packed onto this machine's cores as the
+launcher packs workers), and times all-reduces of an activation of SmolLM2-135M's
+width (`--rows` x 576 floats; 4 x 128 rows = 1.125 MiB) both ways, alternately, through
+`edge_node.tp.comm` (`time_collectives`, what a job's `collective: auto` runs before its
+first step, here with more trials). Prints each algorithm's time as the ranks agree on it
+(the slowest rank's median). Not a test: numbers, to be quoted. Needs root and the cgroup
+v1 cpu controller.
+
+    python benchmarks/collective_bench.py --speeds 0.65,0.52,0.43
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import uuid
+
+from edge_node.cpu_quota import CgroupQuota, cgroup_quota_available, pack_cores
+from edge_node.worker_process import free_port
+
+CHILD = """
+import sys, torch, torch.distributed as dist
+from edge_node.cpu_quota import join_quota
+from edge_node.tp.comm import time_collectives
+rank, world, port, numel, hub, trials = (int(a) for a in sys.argv[1:7])
+torch.set_num_threads(1)
+join_quota(sys.argv[7])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+time_collectives(numel, hub, trials=3)  # warm-up
+ring, through_hub = time_collectives(numel, hub, trials=trials)
+if rank == 0:
+    print(f"  ring {ring * 1e3:6.2f} ms   hub (rank {hub}) {through_hub * 1e3:6.2f} ms   hub / ring {through_hub / ring:.2f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--speeds", default="0.65,0.52,0.43", help="cores per rank; rank 0 first")
+    parser.add_argument("--rows", type=int, default=512, help="batch x sequence rows of the activation")
+    parser.add_argument("--width", type=int, default=576, help="hidden size")
+    parser.add_argument("--hub", type=int, default=0)
+    parser.add_argument("--trials", type=int, default=60)
+    args = parser.parse_args()
+    if not cgroup_quota_available():
+        sys.exit("collective_bench: error: needs a writable cgroup v1 cpu controller (root)")
+    speeds = [float(s) for s in args.speeds.split(",")]
+    cpus = pack_cores(speeds, len(os.sched_getaffinity(0)))
+    port, run = free_port(), uuid.uuid4().hex[:8]
+    print(f"speeds {speeds}, all-reduce of {args.rows} x {args.width} floats "
+          f"({args.rows * args.width * 4 / 2**20:.3f} MiB), slowest rank's median of {args.trials}:", flush=True)
+    quotas, procs = [], []
+    try:
+        for rank, speed in enumerate(speeds):
+            quotas.append(CgroupQuota(f"xronos-allreduce-{run}-{rank}", speed))
+            command = [sys.executable, "-c", CHILD, str(rank), str(len(speeds)), str(port),
+                       str(args.rows * args.width), str(args.hub), str(args.trials), quotas[-1].procs_file]
+            pin = (lambda c=cpus[rank]: os.sched_setaffinity(0, c)) if cpus else None
+            procs.append(subprocess.Popen(command, preexec_fn=pin))
+        if any(p.wait() for p in procs):
+            sys.exit("collective_bench: error: a rank failed (see above)")
+    finally:
+        for p in procs:
+            p.kill()
+        for quota in quotas:
+            quota.close()
+
+
+if __name__ == "__main__":
+    main()
