@@ -32,7 +32,9 @@ attention while the others wait, then the reverse in the MLP.) Every
 participant takes part in every all-reduce at its own CPU speed, so the
 slowest participant's collective cost is paid by all; a device whose
 participation costs more than its share saves is better left out. A lone
-device needs no collectives at all.
+device needs no collectives at all. (The job may all-reduce by gloo's ring or
+through a hub, `edge_node.tp.comm`; the term prices both alike: what it
+decides is who takes part.)
 
 Exact by construction: for a given set of participants the segments are
 independent, and each is an integer min-max allocation that greedy
