@@ -166,7 +166,9 @@ def fit_fixed_and_per_unit(one_unit: float, share: float, units: int) -> tuple[f
         return 0.0, share / max(units, 1)
     mean = share / units
     per_unit = min(max((share - one_unit) / (units - 1), (1 - MAX_FIXED_FRACTION) * mean), mean)
-    return share - per_unit * units, per_unit
+    # At the superlinear clamp the fixed cost is 0 up to round-off, which can be -1e-16: a
+    # profile must not fail validation on that.
+    return max(0.0, share - per_unit * units), per_unit
 
 
 def available_memory_bytes() -> int:

@@ -63,6 +63,7 @@ def test_fixed_and_per_unit_costs_from_two_sizes():
     assert fit_fixed_and_per_unit(3.0, 2.5, 4) == pytest.approx((1.25, 2.5 / 8))
     assert fit_fixed_and_per_unit(3.0, 2.49, 4) == pytest.approx(fit_fixed_and_per_unit(3.0, 2.51, 4), rel=0.01)  # no jump
     assert fit_fixed_and_per_unit(1.0, 9.0, 4) == (0.0, 9.0 / 4)  # superlinear: the line would need negative fixed
+    assert fit_fixed_and_per_unit(0.04, 0.48644176886624985, 6)[0] == 0.0  # not -5.6e-17, which fails validation
     assert fit_fixed_and_per_unit(2.0, 2.0, 1) == (0.0, 2.0)  # one unit is all there is (a single KV group)
 
 
