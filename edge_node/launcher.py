@@ -9,6 +9,7 @@ launcher (PR_SET_PDEATHSIG), so no process outlives a run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -32,15 +33,24 @@ from xronos.profiles import DeviceProfile
 from xronos.report import LocalAssignment, RankResult, RunReport, build_report
 from xronos.splits import ModelDims
 
-def _watch(workers: list[WorkerProcess], until=None) -> None:
-    """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause."""
+def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None) -> None:
+    """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause.
+
+    The failed worker's log is copied to `keep_log_in` (the job's output directory): the run's
+    own directory, and every log in it, is removed when the run ends.
+    """
     try:
         while True:
             codes = [w.proc.poll() for w in workers]
             failed = next((w for w, rc in zip(workers, codes) if rc not in (None, 0)), None)
             if failed is not None:
                 stop_all(workers)
-                raise XronosError(failed.cause())
+                cause = failed.cause()
+                with contextlib.suppress(OSError):
+                    keep_log_in.mkdir(parents=True, exist_ok=True)
+                    kept = shutil.copy(failed.log_file, keep_log_in / failed.log_file.name)
+                    cause += f" (its log: {kept})"
+                raise XronosError(cause)
             if all(rc == 0 for rc in codes) or (until is not None and until()):
                 return
             time.sleep(0.05)
@@ -130,7 +140,7 @@ def run_local(
         devices, predicted, plan = list(range(n_workers)), None, None
         if profiled:
             profile_files = [run_dir / f"profile-{d}.json" for d in range(n_workers)]
-            _watch(workers, until=lambda: all(p.is_file() for p in profile_files))
+            _watch(workers, Path(job.output), until=lambda: all(p.is_file() for p in profile_files))
             profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files]
             plan = plan_job(job, dims, profiles)
             split, stages, predicted, devices = plan.split, plan.stages, plan.predicted, plan.members
@@ -139,7 +149,7 @@ def run_local(
             assignment = LocalAssignment(ranks=plan.ranks, split=split, profiles=plan.profiles, stages=stages,
                                          micro_batches=plan.micro_batches)
             _write_json(run_dir / "plan.json", assignment)
-        _watch(workers)
+        _watch(workers, Path(job.output))
         results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
         report = build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
                               stages=stages, dims=dims)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -56,6 +57,7 @@ class WorkerProcess:
         if loopback:  # gloo would otherwise pick the interface of the host name, which may not reach a peer here
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.device = device
+        self.log_file = log_file
         self.rank: int | None = None  # known once the split is
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edge_node.worker", str(spec_file)],
@@ -83,9 +85,29 @@ class WorkerProcess:
         self._tee.join(timeout=2)
         rc = self.proc.returncode
         how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-        last = next((line for line in reversed(self.tail) if line.strip()), "")
+        why = last_error(list(self.tail))
         who = f"worker for device {self.device}" if self.rank is None else f"worker rank {self.rank}"
-        return f"{who} {how}" + (f": {last.strip()}" if last else "")
+        return f"{who} {how}" + (f": {why}" if why else "")
+
+
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))\b:?(.*)$")
+"""A traceback's last line: the exception's (dotted) name, then its message."""
+
+
+def last_error(lines: list[str], limit: int = 300) -> str:
+    """One line saying why a worker failed, from the last lines of its stderr.
+
+    The exception line of the last traceback, with the lines after it (a pydantic error names
+    the field and the value there; its documentation links are left out); otherwise the last
+    line. The exception's module path is dropped: the name says what went wrong.
+    """
+    lines = [line.strip() for line in lines if line.strip()]
+    found = [i for i, line in enumerate(lines) if EXCEPTION_LINE.match(line)]
+    if not found:
+        return lines[-1][:limit] if lines else ""
+    name, message = EXCEPTION_LINE.match(lines[found[-1]]).groups()
+    rest = [line for line in lines[found[-1] + 1:] if not line.startswith("For further information")]
+    return " ".join([f"{name}:{message}".rstrip(":"), *rest])[:limit]
 
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:

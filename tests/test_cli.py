@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import GPT2Config
 
+from edge_node.worker_process import last_error
 from tests.conftest import SEQ_LEN
 from xronos.cli import main
 
@@ -95,9 +96,25 @@ def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_pat
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 2
     assert "xronos: error: worker rank 1 was killed by SIGKILL" in err
+    kept = tmp_path / "o" / "device-1.log"
+    assert f"(its log: {kept})" in err and kept.is_file()  # the run's directory is gone, the log is not
     assert "Traceback" not in err.split("xronos: error:")[-1]
     time.sleep(0.5)
     assert not any(_alive(p) for p in workers), "orphan worker processes left behind"
+
+
+def test_a_failed_worker_is_explained_by_its_exception_in_one_line():
+    """The exception line of the worker's last traceback, with what pydantic adds after it (field, value)."""
+    tail = ["Traceback (most recent call last):", '  File "worker.py", line 9, in main',
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for DeviceProfile",
+            "kv_fixed_seconds", "  Input should be greater than or equal to 0 [input_value=-5.6e-17]",
+            "    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal"]
+    assert last_error(tail) == ("ValidationError: 1 validation error for DeviceProfile kv_fixed_seconds "
+                                "Input should be greater than or equal to 0 [input_value=-5.6e-17]")
+    assert last_error(["step 3 ok", "torch.distributed.DistBackendError: [gloo] closed by peer"]) == \
+        "DistBackendError: [gloo] closed by peer"
+    assert last_error(["loss 2.31", "", "Killed"]) == "Killed"  # no traceback: the last line
+    assert last_error([]) == ""
 
 
 def test_bench_refuses_pp_micro_batches_that_do_not_divide_the_batch(model_dir, data_file, tmp_path, capsys):
