@@ -90,7 +90,7 @@ class WorkerProcess:
         return f"{who} {how}" + (f": {why}" if why else "")
 
 
-EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))\b:?(.*)$")
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))\b(?::(.*))?$")
 """A traceback's last line: the exception's (dotted) name, then its message."""
 
 
@@ -102,12 +102,12 @@ def last_error(lines: list[str], limit: int = 300) -> str:
     line. The exception's module path is dropped: the name says what went wrong.
     """
     lines = [line.strip() for line in lines if line.strip()]
-    found = [i for i, line in enumerate(lines) if EXCEPTION_LINE.match(line)]
-    if not found:
+    at = next((i for i in reversed(range(len(lines))) if EXCEPTION_LINE.match(lines[i])), None)
+    if at is None:
         return lines[-1][:limit] if lines else ""
-    name, message = EXCEPTION_LINE.match(lines[found[-1]]).groups()
-    rest = [line for line in lines[found[-1] + 1:] if not line.startswith("For further information")]
-    return " ".join([f"{name}:{message}".rstrip(":"), *rest])[:limit]
+    name, message = EXCEPTION_LINE.match(lines[at]).groups()
+    rest = [line for line in lines[at + 1:] if not line.startswith("For further information")]
+    return " ".join([name + (f":{message}" if message else ""), *rest])[:limit]
 
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
