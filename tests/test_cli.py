@@ -148,6 +148,35 @@ def test_bench_rounds_report_the_median_round_and_ratios_round_by_round(model_di
     assert code == 2 and err == ["xronos: error: --rounds must be at least 1, got 0"]
 
 
+def test_bench_idle_summary_gives_each_round_and_their_mean():
+    from xronos.bench import idle_summary
+
+    rounds = {"xronos": [0.049, 0.053, 0.015], "tp": [0.36, 0.362, 0.35]}
+    assert idle_summary(0.053, 0.362, 0.044, rounds) == (
+        "idle: xronos 5.3% (its plan predicted 4.4%), tp 36.2% (6.8x less); by round xronos 4.9% 5.3% 1.5%,"
+        " tp 36.0% 36.2% 35.0%; mean over rounds xronos 3.9%, tp 35.7% (9.2x less)")
+    assert idle_summary(0.05, 0.1, None, {"xronos": [0.05], "tp": [0.1]}) == "idle: xronos 5.0%, tp 10.0% (2.0x less)"
+
+
+def test_bench_json_keeps_every_round(model_dir, data_file, tmp_path, capsys):
+    """Each round's whole report, the median round's among them, so an odd round can be traced."""
+    from xronos.bench import BenchResult, median_round
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(model_dir("mha_untied")), "--data", str(data_file), "--output", str(tmp_path / "b"),
+            "--batch-size", "2", "--seq-len", str(SEQ_LEN), "--steps", "3", "--nodes", "2", "--modes", "tp,single",
+            "--rounds", "2", "--quiet", "--json", str(out)]
+    assert main(args) == 0
+    result = BenchResult.model_validate_json(out.read_text())
+    for mode in ("tp", "single"):
+        rounds = result.round_reports[mode]
+        assert [r.mode for r in rounds] == [mode, mode]
+        assert [r.mean_step_seconds for r in rounds] == result.rounds[mode]
+        assert [r.idle_ratio for r in rounds] == result.round_idle[mode]
+        assert result.reports[mode] == rounds[median_round(result.rounds[mode])]
+    assert "step seconds by round: tp " in capsys.readouterr().out
+
+
 def test_split_marks_the_ranks_whose_weight_gradients_come_later():
     from xronos.cli import parse_split
 

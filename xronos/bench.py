@@ -39,6 +39,10 @@ class BenchResult(BaseModel):
     round_layouts: dict[str, list[str]] = {}
     """Per mode, each round's layout (its final split, or its stages), in round order: a profiled
     mode plans from fresh measurements every round, and its plan may differ between them."""
+    round_reports: dict[str, list[RunReport]] = {}
+    """With several rounds, per mode, every round's whole report, in round order (the median round's
+    is also in `reports`): a round whose idle or plan stands out can be traced (its re-plan checks,
+    per-device seconds, the profiles it planned with: `xronos plan --profiles` takes one saved alone)."""
 
 
 def layouts_by_round(layouts: list[str], idle: list[float]) -> str | None:
@@ -46,6 +50,20 @@ def layouts_by_round(layouts: list[str], idle: list[float]) -> str | None:
     if len(set(layouts)) <= 1:
         return None
     return "; ".join(f"{k + 1}: {layout} (idle {ratio:.1%})" for k, (layout, ratio) in enumerate(zip(layouts, idle)))
+
+
+def idle_summary(xronos: float, tp: float, planned: float | None, round_idle: dict[str, list[float]]) -> str:
+    """xronos's idle ratio beside tp's: the median round's (the table's) and what the plan predicted,
+    and with several rounds each round's and the mean over rounds (one round's idle is one sample of
+    a drifting machine; the mean over rounds is the steadier figure)."""
+    line = f"idle: xronos {xronos:.1%}" + (f" (its plan predicted {planned:.1%})" if planned is not None else "")
+    line += f", tp {tp:.1%} ({tp / xronos:.1f}x less)"
+    xs, ts = round_idle.get("xronos", []), round_idle.get("tp", [])
+    if len(xs) > 1 and len(ts) == len(xs):
+        mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+        line += (f"; by round xronos {' '.join(f'{r:.1%}' for r in xs)}, tp {' '.join(f'{r:.1%}' for r in ts)};"
+                 f" mean over rounds xronos {mx:.1%}, tp {mt:.1%}" + (f" ({mt / mx:.1f}x less)" if mx > 0 else ""))
+    return line
 
 
 def median_round(seconds: list[float]) -> int:
@@ -108,7 +126,8 @@ def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data
     reports = {label: runs[label][median_round(seconds[label])] for label in runs}
     return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports, rounds=seconds,
                        round_idle={label: [r.idle_ratio for r in rs] for label, rs in runs.items()},
-                       round_layouts={label: [describe_layout(r.split, r.stages) for r in rs] for label, rs in runs.items()})
+                       round_layouts={label: [describe_layout(r.split, r.stages) for r in rs] for label, rs in runs.items()},
+                       round_reports=runs if rounds > 1 else {})
 
 
 def compute_stall(node, measured_steps: int) -> float:
@@ -164,10 +183,8 @@ def print_bench(result: BenchResult) -> None:
     if "xronos" in reports and reports["xronos"].replans:
         print("\nxronos (its median round), rank order:\n" + "\n".join(replan_lines(reports["xronos"])))
     if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:
-        x, t = reports["xronos"].idle_ratio, reports["tp"].idle_ratio
-        planned = reports["xronos"].predicted_idle_ratio
-        print(f"\nidle: xronos {x:.1%}" + (f" (its plan predicted {planned:.1%})" if planned is not None else "")
-              + f", tp {t:.1%} ({t / x:.1f}x less)")
+        x, t = reports["xronos"], reports["tp"]
+        print("\n" + idle_summary(x.idle_ratio, t.idle_ratio, x.predicted_idle_ratio, result.round_idle))
     pps = {m: r for m, r in reports.items() if r.mode == "pp"}
     if "xronos" in reports and pps:
         best = min(pps, key=lambda m: pps[m].mean_step_seconds)
