@@ -37,7 +37,10 @@ def test_predicted_device_step_within_20_percent_under_its_quota(mid_model, tmp_
     systematic error fails all of three attempts, each with a fresh profile; noise rarely
     does (a per-unit cost without the fixed one measured 1.18-1.36 in CI, twice in a row at
     0.3). The worker joins its quota itself after its imports: half the speed must take about
-    twice as long."""
+    twice as long (not the same time, nor four times). Its two runs are half a minute apart on a
+    machine whose pace drifts by 10-30% in minutes: a clean-clone CI run measured 0.226 s at 0.6
+    and 0.634 s at 0.3 (2.8x; each within 20% of its own profile, which followed the drift),
+    where three runs just after measured 2.05-2.06x."""
     model, data = mid_model
     measured = {}
     for speed in (0.6, 0.3):
@@ -53,7 +56,7 @@ def test_predicted_device_step_within_20_percent_under_its_quota(mid_model, tmp_
             if 0.8 <= ratio <= 1.2:
                 break
         assert 0.8 <= ratio <= 1.2, f"speed {speed}"
-    assert 1.5 < measured[0.3] / measured[0.6] < 2.6
+    assert 1.5 < measured[0.3] / measured[0.6] < 3.0
 
 
 def test_fixed_and_per_unit_costs_from_two_sizes():
