@@ -46,7 +46,7 @@ def main() -> None:
             p = json.loads(out)
             units = {k.removesuffix("_seconds"): round(p[k] * 1e3, 2) for k in (*COMPUTE_FIELDS, "allreduce_seconds_per_mib")}
             parts = {k: round(p[k], 2) for k in ("mlp_weight_grad_fraction", "attention_weight_grad_fraction",
-                                                 "attention_backward_fraction")}
+                                                 "vocab_weight_grad_fraction", "attention_backward_fraction")}
             print(f"speed {speed:g}: profile took {p['profile_seconds']:.2f} s; ms {units}; {parts}", flush=True)
 
 

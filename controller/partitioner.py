@@ -27,6 +27,11 @@ compute its attention's weight-gradient products later, in the MLP segment of th
 below: its attention segment loses d_i = attention_weight_grad_fraction_i * (its attention
 seconds less the floor) and its MLP segment gains them. Whole KV groups rarely divide at the
 devices' speeds, and the MLP segment, split by the column block, takes up what they cannot.
+What room its MLP's moves leave a device (one that defers its attention's products has none), the
+LM head's weight-gradient products of some of its vocabulary rows take, a layer's worth in each
+attention backward span: its vocabulary segment loses x_i = vocab_weight_grad_fraction_i *
+vocab_block_seconds_i * (blocks moved), and each span gains x_i / L (what does not fit lengthens
+it, as above).
 (Balancing only each device's total would let one device do all the
 attention while the others wait, then the reverse in the MLP.) Every
 participant takes part in every all-reduce at its own CPU speed, so the
@@ -43,7 +48,8 @@ water-filling solves exactly; the participant sets worth trying are the
 the MLP segment depends on the attention split: the attention is split first
 (min-max, exact, with or without every device's attention products deferred,
 whichever plans shorter) and the deferrals and the MLP are then exact beside it,
-with moves only into the room it leaves. That is never slower than the exact plan without moves, but it
+with moves only into the room it leaves, and the vocabulary is exact beside both (its moves
+only into the room the MLP's leave). That is never slower than the exact plan without moves, but it
 is not the joint optimum: choosing the attention split for room, or letting
 moves lengthen the attention segment, can do better (`_solve_members`). When a water-filled split does not fit a
 device's memory, that set is solved with its memory limits as a
@@ -65,7 +71,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from xronos.errors import XronosError
 from xronos.profiles import (COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile, Segment,
                              attention_backward_seconds, attention_kept, attention_weight_grad_seconds, unit_costs,
-                             weight_grad_seconds)
+                             vocab_weight_grad_seconds, weight_grad_seconds)
 from xronos.report import idle_seconds
 from xronos.splits import ModelDims, ShardSplit
 
@@ -159,30 +165,38 @@ def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_colu
     return dims.num_layers * (attn + mlp) + vocab
 
 
+def vocab_later_seconds(p: DeviceProfile, dims: ModelDims, rows: int) -> float:
+    """Per micro-step, the LM head weight-gradient products of `rows` vocabulary rows computed later."""
+    return vocab_weight_grad_seconds(p, rows / dims.vocab_block) if rows else 0.0
+
+
 def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tuple[float, float, float]],
                  shared_groups: int = 0, later: list[bool] | None = None,
-                 attention_later: list[bool] | None = None) -> float:
+                 attention_later: list[bool] | None = None, vocab_later: list[int] | None = None) -> float:
     """Predicted step of participants `profiles` holding `shares` (kv groups, MLP columns, vocabulary rows),
     with `shared_groups` KV groups shared by rows, the ranks flagged in `later` computing their
-    MLP's weight gradients in the attention backward's span (what does not fit lengthens it), and
-    those flagged in `attention_later` their attention's in the MLP segment (of the layer below)."""
+    MLP's weight gradients in the attention backward's span (what does not fit lengthens it),
+    those flagged in `attention_later` their attention's in the MLP segment (of the layer below), and
+    `vocab_later` rows of each rank's vocabulary computing theirs in the attention backward's spans,
+    a layer's worth in each."""
     segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
     moved, deferred = zip(*(later_products(p, dims, share, bool(later and later[i]),
                                            bool(attention_later and attention_later[i]))
                             for i, (p, share) in enumerate(zip(profiles, shares))))
+    spread = [vocab_later_seconds(p, dims, vocab_later[i] if vocab_later else 0) for i, p in enumerate(profiles)]
     backs = [attention_backward_seconds(p, share[0]) - d for p, share, d in zip(profiles, shares, deferred)]
-    overflow = max(b + w for b, w in zip(backs, moved)) - max(backs)
+    overflow = max(b + w + x / dims.num_layers for b, w, x in zip(backs, moved, spread)) - max(backs)
     coll = max(collective_seconds(p, dims) for p in profiles) if len(profiles) > 1 else 0.0
     coll += max(shared_grad_seconds(p, dims, shared_groups) for p in profiles)
     attention = max(s[0] - d for s, d in zip(segs, deferred)) + overflow
     mlp = max(s[1] - w + d for s, w, d in zip(segs, moved, deferred))
-    return dims.num_layers * (attention + mlp) + max(s[2] for s in segs) + coll
+    return dims.num_layers * (attention + mlp) + max(s[2] - x for s, x in zip(segs, spread)) + coll
 
 
 def split_step_seconds(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit) -> float:
     """Predicted step of participants `profiles` (rank order) holding `split`."""
     return step_seconds(profiles, dims, split.shares(), len(split.shared_kv_groups), split.weight_grads_later,
-                        split.attention_weight_grads_later)
+                        split.attention_weight_grads_later, split.vocab_rows_later)
 
 
 def unit_bytes(dims: ModelDims, micro_batch: int, seq_len: int) -> tuple[float, float, float, float]:
@@ -212,13 +226,16 @@ def _units(dims: ModelDims) -> tuple[int, int, int]:
 
 
 class Later(NamedTuple):
-    """Per participant: whether its MLP's, and whether its attention's, weight gradients come later."""
+    """Per participant: whether its MLP's, and whether its attention's, weight gradients come later, and
+    how many of its vocabulary blocks' do (None: none)."""
 
     mlp: list[bool]
     attention: list[bool]
+    vocab: list[int] | None = None
 
     def select(self, members: list[int]) -> "Later":
-        return Later([self.mlp[i] for i in members], [self.attention[i] for i in members])
+        return Later([self.mlp[i] for i in members], [self.attention[i] for i in members],
+                     [self.vocab[i] for i in members] if self.vocab else None)
 
 
 def _to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: Later | None = None) -> ShardSplit:
@@ -231,10 +248,12 @@ def _to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: Later
     mlp[max(range(len(m)), key=lambda i: (m[i], -i))] += dims.intermediate_size - sum(mlp)
     vocab[max(range(len(v)), key=lambda i: (v[i], -i))] += dims.vocab_size - sum(vocab)
     rows = [r for _, r in g] if any(r is not None for _, r in g) else None
+    vocab_later = ([min(b * dims.vocab_block, rows_i) for b, rows_i in zip(later.vocab, vocab)]
+                   if later and later.vocab and any(later.vocab) else None)
     return ShardSplit(kv_groups=[k for k, _ in g], kv_rows=rows, mlp_columns=mlp, vocab_rows=vocab,
                       weight_grads_later=list(later.mlp) if later and any(later.mlp) else None,
                       attention_weight_grads_later=list(later.attention) if later and any(later.attention) else None,
-                      ).check(dims)
+                      vocab_rows_later=vocab_later).check(dims)
 
 
 # -- the solver ----------------------------------------------------------------------
@@ -425,6 +444,45 @@ def _mlp_split(costs: list[MlpCost], blocks: int) -> tuple[float, list[int], lis
     return tm, m, [c.moved(u) > 0 for c, u in zip(costs, m)]
 
 
+class VocabCost(NamedTuple):
+    """A device's vocabulary segment when the LM head weight-gradient products of up to `cap` of its
+    blocks may leave it, a layer's worth into the room each attention backward span leaves it after
+    its MLP's moves (so no span grows). Never decreases in units (a block still costs its seconds
+    less its products), so water-filling with it stays exact."""
+
+    profile: DeviceProfile
+    cap: int
+
+    def later(self, units: float) -> int:
+        return min(int(units), self.cap)
+
+    def seconds(self, units: float) -> float:
+        return unit_costs(self.profile)[2].seconds(units) - vocab_weight_grad_seconds(self.profile, self.later(units))
+
+
+def _vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, units: list[float] | None, m: list[int],
+                  later: Later):
+    """The vocabulary water-filled beside these attention units, MLP blocks and moves, each device's
+    LM head products moved (by whole blocks) into the room its attention backward spans have left.
+    units None: room without limit, a lower bound. Returns (seconds, blocks, `later` with the moves)."""
+    blocks = _units(dims)[2]
+    if units is None:
+        costs = [VocabCost(p, blocks) for p in profiles]
+    else:
+        deferred = [attention_weight_grad_seconds(p, u) if a else 0.0
+                    for p, u, a in zip(profiles, units, later.attention)]
+        backs = [attention_backward_seconds(p, u) - d for p, u, d in zip(profiles, units, deferred)]
+        moved = [weight_grad_seconds(p, b) if f else 0.0 for p, b, f in zip(profiles, m, later.mlp)]
+        costs = []
+        for p, back, w, defers in zip(profiles, backs, moved, later.attention):
+            room, per_block = dims.num_layers * (max(backs) - back - w), vocab_weight_grad_seconds(p, 1)
+            fits = int(room / per_block * (1 + 1e-12)) if per_block > 0 and room > 0 and not defers else 0
+            costs.append(VocabCost(p, min(fits, blocks)))
+    tv, v = water_fill(costs, blocks)
+    taken = [c.later(u) for c, u in zip(costs, v)]
+    return tv, v, later._replace(vocab=taken if any(taken) else None)
+
+
 def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], blocks: int):
     """Given each device's attention units: which devices defer their attention's weight gradients
     to the MLP segment, and the MLP split beside that. Returns (attention + MLP seconds per layer,
@@ -460,21 +518,22 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     Returns (step, collectives, attention shares, MLP blocks, vocabulary blocks, Later)."""
     G, MB, VB = _units(dims)
     part = [profiles[i] for i in members]
-    attn, _, vocab = zip(*map(unit_costs, part))
+    attn = [unit_costs(p)[0] for p in part]
     ta, g = water_fill(attn, G)
-    tv, v = water_fill(vocab, VB)
     coll = max(collective_seconds(p, dims) for p in part) if len(members) > 1 else 0.0
     L = dims.num_layers
     kept = [attention_kept(p) for p in part]
     if whole_groups and rows > 1 and len(members) > 1:
         # row shares can only go as low as the fractional water level of the attention that no
-        # deferral removes, and no MLP lower than with all its weight gradients moved and none taken in
+        # deferral removes, and no MLP or vocabulary lower than with all its weight gradients moved
+        # and none taken in
         tm, m, later = _mlp_split(_mlp_costs(part, None), MB)
-        return (L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v,
-                Later(later, [False] * len(part)))
+        tv, v, moves = _vocab_beside(part, dims, None, m, Later(later, [False] * len(part)))
+        return L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v, moves
     whole, g_kept = None, water_fill(kept, G)[1]
     for groups in [g] + ([g_kept] if g_kept != g else []):
         seconds, m, later = _attention_then_mlp(part, groups, MB)
+        tv, v, later = _vocab_beside(part, dims, groups, m, later)
         if whole is None or L * seconds + tv + coll < whole[0] - 1e-12:
             whole = (L * seconds + tv + coll, coll, [(k, None) for k in groups], m, v, later)
     if rows == 1 or len(members) == 1:
@@ -484,6 +543,7 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     units = [k if r is None else (r[1] - r[0]) / rows for k, r in layout]
     shared = sum(1 for _, r in layout if r is not None and r[0] == 0)
     seconds, m_rows, later_rows = _attention_then_mlp(part, units, MB)
+    tv, v, later_rows = _vocab_beside(part, dims, units, m_rows, later_rows)
     step = L * seconds + share * shared + tv + coll
     if step > whole[0] * (1 - ROW_SHARE_MIN_GAIN):
         return whole
@@ -580,7 +640,8 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     full = lambda part, none=0: [part[members.index(i)] if i in members else none for i in range(n)]  # noqa: E731
     y = [1 if i in members else 0 for i in range(n)]
     plan = _explain(profiles, dims, micro_batch, seq_len, full(g, (0, None)), full(m), full(v), y, coll,
-                    Later(full(later.mlp, False), full(later.attention, False)) if later else None)
+                    Later(full(later.mlp, False), full(later.attention, False),
+                          full(later.vocab) if later.vocab else None) if later else None)
     return plan if optimal else plan.model_copy(update={"optimal": False})
 
 
@@ -640,13 +701,17 @@ class MeasuredCompute(NamedTuple):
 
 
 def segment_compute(p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float],
-                    mlp_later: bool = False, attention_later: bool = False) -> tuple[float, float, float]:
+                    mlp_later: bool = False, attention_later: bool = False,
+                    vocab_later: int = 0) -> tuple[float, float, float]:
     """A device's predicted compute per micro-step in the attention and MLP segments of all layers and
     in the vocabulary segment, for a share: weight-gradient products counted where they run (moved MLP
-    products in the attention's backward span, deferred attention products in the MLP segment)."""
+    products and `vocab_later` rows' LM head products in the attention's backward spans, deferred
+    attention products in the MLP segment)."""
     attention, mlp, vocab = segments(p, dims, *share)
     moved, deferred = later_products(p, dims, share, mlp_later, attention_later)
-    return dims.num_layers * (attention - deferred + moved), dims.num_layers * (mlp - moved + deferred), vocab
+    spread = vocab_later_seconds(p, dims, vocab_later)
+    return (dims.num_layers * (attention - deferred + moved) + spread, dims.num_layers * (mlp - moved + deferred),
+            vocab - spread)
 
 
 def calibration_factors(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit,
@@ -665,7 +730,7 @@ def calibration_factors(profiles: list[DeviceProfile], dims: ModelDims, split: S
         predicted = device_compute(p, dims, *share)
         whole.append(seen.total / predicted if predicted > 0 and seen.total > 0 else 1.0)
         parts = segment_compute(p, dims, share, *(split.rank_computes_weight_grads_later(dim, r)
-                                                  for dim in ("mlp_columns", "kv_groups")))
+                                                  for dim in ("mlp_columns", "kv_groups")), split.vocab_later(r))
         held = [u > 0 and x > 0 and y > 0 for u, x, y in zip(share, parts, seen.segments)]
         logs.append([float(np.log(y / x)) if h else None for h, x, y in zip(held, parts, seen.segments)])
         weights.append([x if h else 0.0 for h, x in zip(held, parts)])
@@ -685,14 +750,47 @@ off by a factor f is off by f**(1/4) after one check. Half-way needed three chec
 the strong bench's split (its 0.5 device computes ~1.5x its profile's pace in the job), more
 than a 16-step job has room for in its first half."""
 MIN_REPLAN_GAIN = 0.03
-"""A re-plan re-shards only if it predicts at least this much shorter steps."""
+"""A re-plan re-shards if it predicts at least this much shorter steps."""
+CONFIRMED_REPLAN_GAIN = 0.01
+"""... or at least this much, when the check before (which kept the split) predicted as much too.
+
+One check's gain under 3% may be measurement noise, but the profiles converge check by check,
+and a gain that two checks in a row predict is not: on the strong bench, rounds kept splits that
+their last four checks all found 1.3-2.3% slower than the best (mostly a block or two of
+vocabulary rows), predicted to idle 7.8-8.4% against the best's 4.7-5.1%; the best split of one
+such round's final profiles, run fixed, idled 3.7-4.3% (three runs)."""
+
+
+def min_replan_gain(kept_gain: float | None, reshard_seconds: float | None, step_seconds: float,
+                    steps_left: int) -> float:
+    """The predicted gain a check needs to re-shard: MIN_REPLAN_GAIN, or CONFIRMED_REPLAN_GAIN when the
+    check before kept the split though it found a gain of at least that much (whichever split it was;
+    `kept_gain`; None: it re-sharded, or there was none), raised to what pays back a re-shard's seconds
+    (`reshard_seconds`, the last one's, when one has been timed, not counting the warm-up steps after
+    it) over the steps left, and never above MIN_REPLAN_GAIN (which re-shards regardless)."""
+    if kept_gain is None or kept_gain < CONFIRMED_REPLAN_GAIN:
+        return MIN_REPLAN_GAIN
+    payback = reshard_seconds / (step_seconds * steps_left) if reshard_seconds and steps_left > 0 and step_seconds > 0 else 0.0
+    return min(MIN_REPLAN_GAIN, max(CONFIRMED_REPLAN_GAIN, payback))
+
+
+class Replan(NamedTuple):
+    """A re-plan's outcome: the split to run (the same one when kept), the profiles recalibrated
+    towards the measurement, what the profiles before predicted per rank, and how much shorter the
+    best split's step is than the current one's by the recalibrated profiles (0: none better)."""
+
+    split: ShardSplit
+    profiles: list[DeviceProfile]
+    predicted: list[float]
+    gain: float
 
 
 def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[MeasuredCompute],
-           micro_batch: int, seq_len: int) -> tuple[ShardSplit, list[DeviceProfile], list[float]]:
+           micro_batch: int, seq_len: int, min_gain: float = MIN_REPLAN_GAIN) -> Replan:
     """A new split for the same ranks from measured compute seconds per micro-step (rank order),
     the profiles recalibrated towards the measurement (the next re-plan starts from them,
     so repeated re-plans converge on the measured pace), and what `profiles` predicted.
+    The split moves only for a predicted gain of at least `min_gain`.
 
     The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
     """
@@ -706,9 +804,10 @@ def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, me
     if not _fits(calibrated, dims, micro_batch, seq_len, members, g, m, v):
         solved = _solve_with_memory(calibrated, dims, micro_batch, seq_len, members)
         if solved is None:
-            return split, profiles, predictions
+            return Replan(split, profiles, predictions, 0.0)
         step, _, g, m, v, later, _ = solved
     current = split_step_seconds(calibrated, dims, split)
-    if step > current * (1 - MIN_REPLAN_GAIN):  # not worth a re-shard (and measurement noise would drive it)
-        return split, calibrated, predictions
-    return _to_split(dims, g, m, v, later), calibrated, predictions
+    gain = max(0.0, 1 - step / current) if current > 0 else 0.0
+    if gain < min_gain:  # not worth a re-shard (and measurement noise would drive it)
+        return Replan(split, calibrated, predictions, gain)
+    return Replan(_to_split(dims, g, m, v, later), calibrated, predictions, gain)

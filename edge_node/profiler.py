@@ -35,7 +35,7 @@ from transformers.masking_utils import create_causal_mask
 
 from edge_node.model_io import ATTN_IMPLEMENTATION
 from edge_node.tp.cross_entropy import causal_lm_loss
-from edge_node.tp.weight_grads import WEIGHT_GRADS, weight_grads_later
+from edge_node.tp.weight_grads import WEIGHT_GRADS, linear_weight_grad_later, weight_grads_later
 from xronos.errors import XronosError
 from xronos.profiles import DeviceProfile, ProfileShape
 from xronos.splits import ModelDims
@@ -195,7 +195,7 @@ MAX_LATER_FRACTION = 0.6
 an MLP share's seconds and ~20-30% of an attention share's, with the update); a larger measured
 part is a disturbed window."""
 
-PROFILER_VERSION = 6
+PROFILER_VERSION = 7
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 
@@ -262,7 +262,7 @@ def profile_device(
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
     position_ids = torch.arange(seq_len).unsqueeze(0)
     runs = {}
-    parts = {"attention-share": _Parts(), "mlp-share": _Parts()}  # the fractions are read at the share
+    parts = {"attention-share": _Parts(), "mlp-share": _Parts(), "vocab-share": _Parts()}  # read at the share
     for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
         model = _variant(config, dims, 1, g, m * dims.mlp_block, 8)
         layer = model.model.layers[0]
@@ -279,14 +279,16 @@ def profile_device(
             setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name)))
         runs[f"mlp-{size}"] = _training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()),
                                              parts.get(f"mlp-{size}"))
-        # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows.
+        # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows,
+        # whose weight-gradient product is timed apart (as a rank that computes it later runs it).
         head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02)
         embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
         ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
         runs[f"vocab-{size}"] = _training_step(
             lambda head=head, embed=embed, ids=ids:
-                causal_lm_loss(torch.nn.functional.linear(torch.nn.functional.embedding(ids, embed) + h, head), ids, 0),
-            list({id(p): p for p in (head, embed)}.values()))
+                causal_lm_loss(linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None),
+                               ids, 0),
+            list({id(p): p for p in (head, embed)}.values()), parts.get(f"vocab-{size}"))
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]  # the same in either size
     runs["norms"] = _training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h, norms)
     payload = micro_batch * seq_len * dims.hidden_size * 4
@@ -311,6 +313,9 @@ def profile_device(
         # the span between a layer's backward all-reduces on a rank that computes its products in place
         attention_backward_fraction=attention.fraction(attention.backward + attention.later),
         attention_weight_grad_fraction=min(attention.fraction(attention.later), MAX_LATER_FRACTION),
+        # the LM head's product has no fixed part: its seconds per block, against the per-block cost
+        vocab_weight_grad_fraction=min(parts["vocab-share"].fraction(parts["vocab-share"].later) * seconds["vocab-share"]
+                                       / (vocab_blocks * per_vocab) if per_vocab > 0 else 0.0, MAX_LATER_FRACTION),
         allreduce_latency_seconds=latency, allreduce_seconds_per_mib=per_mib,
         memory_bytes=memory, address=address, profile_seconds=time.perf_counter() - started,
     )

@@ -270,20 +270,37 @@ class Trainer:
         box = [None]
         if self.rank == 0:
             box[0] = replan(self.spec.profiles, self.dims, self.spec.split, measured,
-                            self.job.batch_size // self.job.grad_accum, self.job.seq_len)
+                            self.job.batch_size // self.job.grad_accum, self.job.seq_len,
+                            self.min_replan_gain(sum(self.step_seconds[k] for k in timed) / len(timed)))
         dist.broadcast_object_list(box, src=0)
-        new_split, calibrated, predicted = box[0]
+        new_split, calibrated, predicted, gain = box[0]
         changed = new_split != self.spec.split
         accum = self.job.grad_accum
+        started = time.perf_counter()
         self.replans.append(ReplanCheck(
             after_step=len(self.step_seconds) + self.start_step,
             measured_compute_seconds=[m.total * accum for m in measured],
             measured_segment_seconds=[tuple(x * accum for x in m.segments) for m in measured],
             predicted_compute_seconds=[s * accum for s in predicted],
-            new_split=new_split if changed else None))
+            new_split=new_split if changed else None, predicted_gain=gain))
         self.spec = self.spec.model_copy(update={"profiles": calibrated})
         if not changed:
             return
+        self.reshard(new_split)
+        self.replans[-1] = self.replans[-1].model_copy(update={"reshard_seconds": time.perf_counter() - started})
+
+    def min_replan_gain(self, step_seconds: float) -> float:
+        """The gain this check needs to re-shard (`controller.partitioner.min_replan_gain`)."""
+        from controller.partitioner import min_replan_gain
+
+        last = self.replans[-1] if self.replans else None
+        kept_gain = last.predicted_gain if last is not None and last.new_split is None else None
+        timed = [c.reshard_seconds for c in self.replans if c.reshard_seconds is not None]
+        steps_left = self.job.steps - self.start_step - len(self.step_seconds)
+        return min_replan_gain(kept_gain, timed[-1] if timed else None, step_seconds, steps_left)
+
+    def reshard(self, new_split: ShardSplit) -> None:
+        """Move every rank to `new_split` through a checkpoint (optimizer state included)."""
         self.reshards += 1
         self.measure_from = len(self.step_seconds) + WARMUP_STEPS  # after a re-shard the steps warm up again
         staging = self.output / ".replan"

@@ -16,6 +16,7 @@ from transformers import GPT2Config
 from edge_node.worker_process import last_error
 from tests.conftest import SEQ_LEN
 from xronos.cli import main
+from xronos.splits import ShardSplit
 
 
 def run_cli(args, capsys):
@@ -185,5 +186,16 @@ def test_split_marks_the_ranks_whose_weight_gradients_come_later():
         "vocab_rows": [1, 2, 3]}
     assert "weight_grads_later" not in parse_split("kv=2/1/0,mlp=896/384/256")
     assert parse_split("kv=1/1/1*,mlp=512/512/512")["attention_weight_grads_later"] == [False, False, True]
-    with pytest.raises(argparse.ArgumentTypeError, match="only kv and mlp sizes take a"):
+    # vocabulary sizes say how many of their rows' weight gradients come later
+    assert parse_split("kv=2/1/0,mlp=896/384/256,vocab=512/256*64/256*256") == {
+        "kv_groups": [2, 1, 0], "mlp_columns": [896, 384, 256], "vocab_rows_later": [0, 64, 256],
+        "vocab_rows": [512, 256, 256]}
+    with pytest.raises(argparse.ArgumentTypeError, match="a vocabulary size's mark is"):
         parse_split("kv=2/1/0,mlp=896/384/256,vocab=1/2*/3")
+    with pytest.raises(argparse.ArgumentTypeError, match="only kv, mlp and vocab sizes take a"):
+        parse_split("layers=2*/1")
+    with pytest.raises(ValueError, match="exceeds its 2 vocabulary rows"):
+        ShardSplit(kv_groups=[1, 1], mlp_columns=[1, 1], vocab_rows=[1, 2], vocab_rows_later=[0, 3])
+    split = ShardSplit(kv_groups=[1, 1], mlp_columns=[1, 1], vocab_rows=[1, 2], vocab_rows_later=[0, 2])
+    assert split.describe() == "kv 1/1 · mlp 1/1 · vocab 1/2*2"
+    assert ShardSplit(**parse_split(split.describe().replace(" · ", ",").replace(" ", "="))) == split

@@ -52,10 +52,12 @@ CASES = [
     # model, nodes, mode, split override, job options
     ("mha_untied", 2, "tp", None, {"collective": "hub"}),
     # ranks 1 and 2 compute their MLP weight gradients later (rank 2 holds no attention, rank 0 no
-    # MLP), ranks 0 and 2 their attention's (rank 2's attention is empty)
-    ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 0], "mlp_columns": [0, 64, 96], "vocab_rows": [200, 120, 0],
+    # MLP), ranks 0 and 2 their attention's (rank 2's attention is empty); rank 1 those of 50 of its
+    # vocabulary rows (tied to the embedding), rank 2 of all of its
+    ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 0], "mlp_columns": [0, 64, 96], "vocab_rows": [200, 90, 30],
                                "weight_grads_later": [False, True, True],
-                               "attention_weight_grads_later": [True, False, True]}, {"collective": "hub"}),
+                               "attention_weight_grads_later": [True, False, True],
+                               "vocab_rows_later": [0, 50, 30]}, {"collective": "hub"}),
     ("gqa_tied", 1, "tp", None, {}),
     ("qwen2_gqa", 3, "xronos", {"kv_groups": [0, 1, 1], "mlp_columns": [77, 0, 51], "vocab_rows": [1, 300, 19]},
      {"collective": "ring"}),
@@ -66,7 +68,7 @@ CASES = [
                                "kv_rows": [None, (0, 3), (3, 4)]}, {"collective": "hub"}),
     ("qwen2_gqa", 3, "xronos", {"kv_groups": [1, 1, 1], "mlp_columns": [64, 0, 64], "vocab_rows": [100, 120, 100],
                                 "kv_rows": [(0, 1), (1, 2), None], "weight_grads_later": [True, True, False],
-                                "attention_weight_grads_later": [False, True, True]},
+                                "attention_weight_grads_later": [False, True, True], "vocab_rows_later": [7, 0, 100]},
      {"grad_accum": 2, "collective": "ring"}),
     ("mha_untied", 4, "xronos", {"kv_groups": [7, 1, 1, 1], "mlp_columns": [128, 64, 0, 0],
                                  "vocab_rows": [100, 0, 220, 0], "kv_rows": [None, (0, 1), (1, 3), (3, 4)]},

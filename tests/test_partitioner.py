@@ -19,6 +19,7 @@ from controller.partitioner import (
     split_step_seconds,
     step_seconds,
     unit_bytes,
+    vocab_later_seconds,
 )
 from xronos.cli import main
 from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, ProfileShape, attention_backward_seconds,
@@ -310,8 +311,8 @@ def test_repeated_replans_converge_on_the_measured_pace():
     current = profiles
     for _ in range(8):
         want = [device_compute(p, DIMS, *share) for p, share in zip(current, split.shares())]
-        split, current, predicted = replan(current, DIMS, split, measured_on(truth, split, apart=False),
-                                           SHAPE.micro_batch, SHAPE.seq_len)
+        split, current, predicted, _ = replan(current, DIMS, split, measured_on(truth, split, apart=False),
+                                              SHAPE.micro_batch, SHAPE.seq_len)
         assert predicted == want  # what the profiles it started from said (the report's trace)
     final = split_step_seconds(truth, DIMS, split)
     start = split_step_seconds(truth, DIMS, plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split)
@@ -348,7 +349,7 @@ def test_replans_calibrate_attention_and_mlp_apart():
     for apart in (True, False):
         split, current = first, profiles
         for _ in range(6):
-            split, current, _ = replan(current, dims, split, measured_on(truth, split, dims, apart), 2, 8)
+            split, current, _, _ = replan(current, dims, split, measured_on(truth, split, dims, apart), 2, 8)
         final[apart] = split_step_seconds(truth, dims, split)
     print(f"true optimum {best:.3f}, first plan {split_step_seconds(truth, dims, first):.3f}, "
           f"after re-plans {final[True]:.3f} (segments) {final[False]:.3f} (totals only)")
@@ -391,16 +392,21 @@ def test_weight_grads_later_fill_the_room_the_attention_leaves(seed):
     assert plan.predicted_step_seconds == pytest.approx(best, rel=1e-9)
 
 
+def speed_profiles(speeds, **fields):
+    """One made-up device profile (`fields` override its seconds and fractions) at each relative speed."""
+    base = DeviceProfile(device="d", shape=SHAPE, kv_group_seconds=0.4, kv_fixed_seconds=0.1, mlp_block_seconds=0.1,
+                         mlp_fixed_seconds=0.1, vocab_block_seconds=0.05, layer_fixed_seconds=0.05,
+                         step_fixed_seconds=0.05, allreduce_latency_seconds=0.0, allreduce_seconds_per_mib=0.0,
+                         memory_bytes=1 << 40).model_copy(update=fields)
+    return [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) / s for k in COMPUTE_FIELDS}})
+            for i, s in enumerate(speeds)]
+
+
 def test_a_device_without_attention_takes_more_mlp_when_its_weight_grads_come_later():
     """Speeds 1, 0.5, 0.25 over 3 KV groups: the slow device holds no attention and waits through
     each layer's attention backward; with its weight gradients computed there it holds more MLP
     columns, the predicted step is shorter and the predicted idle lower."""
-    base = DeviceProfile(device="d", shape=SHAPE, kv_group_seconds=0.4, kv_fixed_seconds=0.1, mlp_block_seconds=0.1,
-                         mlp_fixed_seconds=0.1, vocab_block_seconds=0.05, layer_fixed_seconds=0.05,
-                         step_fixed_seconds=0.05, allreduce_latency_seconds=0.0, allreduce_seconds_per_mib=0.0,
-                         memory_bytes=1 << 40)
-    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) / s for k in COMPUTE_FIELDS}})
-                for i, s in enumerate((1, 0.5, 0.25))]
+    profiles = speed_profiles((1, 0.5, 0.25))
     before = plan_partition(profiles, DIMS3, 1, 8)
     later = [p.model_copy(update={"mlp_weight_grad_fraction": 0.3, "attention_backward_fraction": 0.65})
              for p in profiles]
@@ -417,12 +423,7 @@ def test_the_slowest_device_defers_its_attention_products_when_groups_cannot_bal
     device sets the pace of every attention segment. With the slower devices' attention weight
     gradients computed in the MLP segment below, the 0.43 device holds fewer MLP columns and the
     step is shorter."""
-    base = DeviceProfile(device="d", shape=SHAPE, kv_group_seconds=0.4, kv_fixed_seconds=0.1, mlp_block_seconds=0.1,
-                         mlp_fixed_seconds=0.1, vocab_block_seconds=0.05, layer_fixed_seconds=0.05,
-                         step_fixed_seconds=0.05, allreduce_latency_seconds=0.0, allreduce_seconds_per_mib=0.0,
-                         memory_bytes=1 << 40, attention_backward_fraction=0.65, mlp_weight_grad_fraction=0.3)
-    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) / s for k in COMPUTE_FIELDS}})
-                for i, s in enumerate((0.65, 0.52, 0.43))]
+    profiles = speed_profiles((0.65, 0.52, 0.43), attention_backward_fraction=0.65, mlp_weight_grad_fraction=0.3)
     before = plan_partition(profiles, DIMS3, 1, 8)
     after = plan_partition([p.model_copy(update={"attention_weight_grad_fraction": 0.25}) for p in profiles],
                            DIMS3, 1, 8)
@@ -432,3 +433,76 @@ def test_the_slowest_device_defers_its_attention_products_when_groups_cannot_bal
     assert after.split.mlp_columns[2] < before.split.mlp_columns[2]
     assert after.predicted_step_seconds < 0.98 * before.predicted_step_seconds
     assert after.split.describe().startswith("kv 1/1*/1* ")  # here the 0.52 device's too
+
+
+def test_lm_head_products_fill_the_room_the_mlp_moves_leave():
+    """Speeds 1, 0.5, 0.25 over 3 KV groups: the devices without attention wait through each layer's
+    attention backward even after their MLP's products moved there. With the LM head's products of
+    some of their vocabulary rows computed in that wait (a layer's worth in each), they hold more
+    vocabulary rows, the step is shorter and the idle lower; no wait grows (every move fits its
+    room), and given the plan's attention and MLP, its vocabulary split and moves are the best of
+    every integer split and every number of rows moved that fits."""
+    profiles = speed_profiles((1, 0.5, 0.25), mlp_block_seconds=0.02, mlp_fixed_seconds=0.02, vocab_block_seconds=0.1,
+                              mlp_weight_grad_fraction=0.3, attention_backward_fraction=0.65)
+    before = plan_partition(profiles, DIMS3, 1, 8)
+    profiles = [p.model_copy(update={"vocab_weight_grad_fraction": 0.3}) for p in profiles]
+    after = plan_partition(profiles, DIMS3, 1, 8)
+    split = after.split
+    assert before.split.kv_groups == split.kv_groups and split.kv_groups[2] == 0
+    assert before.split.vocab_rows_later is None and split.vocab_rows_later[2] > 0
+    assert split.vocab_rows[2] > before.split.vocab_rows[2]
+    assert after.predicted_step_seconds < before.predicted_step_seconds
+    assert after.predicted_idle_ratio < before.predicted_idle_ratio
+    shares = split.shares()
+    backs = [attention_backward_seconds(p, kv) for p, (kv, _, _) in zip(profiles, shares)]
+    moved = [weight_grad_seconds(p, c) if split.rank_computes_weight_grads_later("mlp_columns", r) else 0.0
+             for r, (p, (_, c, _)) in enumerate(zip(profiles, shares))]
+    spread = [vocab_later_seconds(p, DIMS3, split.vocab_later(r)) for r, p in enumerate(profiles)]
+    assert all(b + w + x / DIMS3.num_layers <= max(backs) * (1 + 1e-9) for b, w, x in zip(backs, moved, spread))
+    best = float("inf")
+    for v in compositions(16, 3):
+        fits = [[k for k in range(rows + 1)
+                 if b + w + vocab_later_seconds(p, DIMS3, k) / DIMS3.num_layers <= max(backs) * (1 + 1e-9)]
+                for p, b, w, rows in zip(profiles, backs, moved, v)]
+        for later in itertools.product(*fits):
+            best = min(best, step_seconds(profiles, DIMS3, [(kv, c, rows) for (kv, c, _), rows in zip(shares, v)],
+                                          later=split.weight_grads_later,
+                                          attention_later=split.attention_weight_grads_later, vocab_later=list(later)))
+    assert after.predicted_step_seconds == pytest.approx(best, rel=1e-9)
+    assert after.predicted_step_seconds == pytest.approx(split_step_seconds(profiles, DIMS3, split), rel=1e-12)
+
+
+def test_a_gain_two_checks_agree_on_reshards_below_the_threshold():
+    """A re-plan that finds the best split 2% shorter keeps the split (under MIN_REPLAN_GAIN); the
+    next check, told the one before kept a gain of 2%, re-shards to that split, unless a re-shard
+    would not pay back its seconds over the steps left."""
+    from controller.partitioner import (CONFIRMED_REPLAN_GAIN, MIN_REPLAN_GAIN, MeasuredCompute, device_compute,
+                                        min_replan_gain, replan)
+
+    rng = random.Random(3)
+    profiles = [profile(i, rng) for i in range(3)]
+    best = plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split
+    # a split one MLP block and two vocabulary blocks off the best, by the same (exact) profiles
+    m, v = list(best.mlp_columns), list(best.vocab_rows)
+    give = max(range(3), key=lambda i: m[i])
+    take = min(range(3), key=lambda i: m[i])
+    m[give], m[take] = m[give] - 1, m[take] + 1
+    give = max(range(3), key=lambda i: v[i])
+    take = min(range(3), key=lambda i: v[i])
+    v[give], v[take] = v[give] - 2, v[take] + 2
+    off = best.model_copy(update={"mlp_columns": m, "vocab_rows": v})
+    truth = [device_compute(p, DIMS, *share) for p, share in zip(profiles, off.shares())]
+    measured = [MeasuredCompute(t) for t in truth]
+    gain = 1 - split_step_seconds(profiles, DIMS, best) / split_step_seconds(profiles, DIMS, off)
+    assert CONFIRMED_REPLAN_GAIN <= gain < MIN_REPLAN_GAIN, gain
+
+    first = replan(profiles, DIMS, off, measured, SHAPE.micro_batch, SHAPE.seq_len)
+    assert first.split == off and first.gain == pytest.approx(gain)
+    threshold = min_replan_gain(first.gain, None, 1.0, 20)
+    assert threshold == CONFIRMED_REPLAN_GAIN
+    second = replan(first.profiles, DIMS, off, measured, SHAPE.micro_batch, SHAPE.seq_len, threshold)
+    assert split_step_seconds(profiles, DIMS, second.split) == pytest.approx(split_step_seconds(profiles, DIMS, best))
+    # no agreement, a re-shard that the steps left would not pay back, a gain that pays it
+    assert min_replan_gain(None, None, 1.0, 20) == min_replan_gain(0.005, None, 1.0, 20) == MIN_REPLAN_GAIN
+    assert min_replan_gain(first.gain, 2.0, 1.0, 20) == MIN_REPLAN_GAIN
+    assert min_replan_gain(first.gain, 0.3, 1.0, 20) == pytest.approx(0.015)

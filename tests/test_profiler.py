@@ -77,6 +77,7 @@ def test_profiles_are_cached_per_shape(mid_model, tmp_path, monkeypatch):
     assert first.kv_group_seconds > 0 and first.mlp_block_seconds > 0 and first.vocab_block_seconds > 0
     # the weight-gradient products deferred as a rank that defers them runs them, and the backward's span
     assert 0 < first.mlp_weight_grad_fraction < 1 and 0 < first.attention_weight_grad_fraction < 1
+    assert 0 < first.vocab_weight_grad_fraction < 1
     assert first.attention_weight_grad_fraction < first.attention_backward_fraction < 1
     again = profile_device(config, 2, 32, 1, device="d0")
     assert again.model_dump(exclude={"memory_bytes"}) == first.model_dump(exclude={"memory_bytes"})  # read back

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from edge_node.tp.weight_grads import WEIGHT_GRADS, WeightGradQueue, weight_grads_later
+from edge_node.tp.weight_grads import WEIGHT_GRADS, RowsWeightGradLaterLinear, WeightGradQueue, weight_grads_later
 
 
 def test_later_weight_grads_equal_autograd_ones():
@@ -44,3 +45,38 @@ def test_a_product_waits_for_one_backward_collective():
     assert ran == ["mlp-1"]
     queue.flush()
     assert ran == ["mlp-1", "mlp-0"] and not queue.pending and not queue.held
+
+
+def test_spread_products_run_one_before_each_attention_backward_collective():
+    """The LM head's pieces (queued at the start of the backward) run one per attention backward
+    all-reduce, in that all-reduce's wait, after what waited one collective; the rest at the flush."""
+    queue, ran = WeightGradQueue(), []
+    queue.add_spread([lambda k=k: ran.append(f"vocab-{k}") for k in range(3)])
+    queue.before_backward_collective("vocab_rows")  # the LM head's own all-reduce
+    queue.add(lambda: ran.append("mlp-1"))
+    queue.before_backward_collective("mlp_columns")
+    assert ran == []
+    queue.before_backward_collective("kv_groups")
+    assert ran == ["mlp-1", "vocab-0"]
+    queue.flush()
+    assert ran == ["mlp-1", "vocab-0", "vocab-1", "vocab-2"] and not queue.spread
+
+
+def test_lm_head_rows_later_give_autograd_gradients():
+    """Some or all rows' products later, in more pieces than rows, a tied weight that also gets an
+    embedding's gradient: once flushed, autograd's gradients; before, none for the later rows."""
+    torch.manual_seed(0)
+    for later_rows, pieces in ((3, 2), (5, 8)):
+        plain = nn.Linear(4, 5, bias=False)
+        later = RowsWeightGradLaterLinear(4, 5, later_rows, pieces)
+        later.load_state_dict(plain.state_dict())
+        ids = torch.tensor([[0, 4, 2]])
+        for head in (plain, later):
+            x = nn.functional.embedding(ids, head.weight) + torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(1))
+            head(x).softmax(-1)[..., 1].sum().backward()
+        assert len(WEIGHT_GRADS.spread) == min(later_rows, pieces)
+        assert not torch.allclose(later.weight.grad[:later_rows], plain.weight.grad[:later_rows])
+        WEIGHT_GRADS.flush()
+        torch.testing.assert_close(later.weight.grad, plain.weight.grad)
+    with pytest.raises(ValueError, match="later rows 6 of 5"):
+        RowsWeightGradLaterLinear(4, 5, 6, 2)

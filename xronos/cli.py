@@ -40,19 +40,26 @@ def parse_split(text: str) -> dict[str, list]:
     """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}.
 
     `layers=2/1/1` gives a pipeline's layers per stage (mode pp); `mlp=128/64*/0*` marks the
-    ranks whose MLP weight gradients come later, `kv=1/1/1*` those whose attention's do (as
-    `xronos plan` prints them).
+    ranks whose MLP weight gradients come later, `kv=1/1/1*` those whose attention's do, and
+    `vocab=512/256*64/256` how many of a rank's vocabulary rows' do (as `xronos plan` prints them).
     """
     out = {}
     for item in text.split(","):
         key, _, values = item.partition("=")
-        if "*" in item and SPLIT_KEYS.get(key.strip()) not in WEIGHT_GRADS_LATER:
-            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: only kv and mlp sizes take a * mark")
-        if "*" in item:
-            out[WEIGHT_GRADS_LATER[SPLIT_KEYS[key.strip()]]] = [v.endswith("*") for v in values.split("/")]
-    text = text.replace("*", "")
-    for item in text.split(","):
-        key, _, values = item.partition("=")
+        dim = SPLIT_KEYS.get(key.strip())
+        if "*" in item and dim not in WEIGHT_GRADS_LATER:
+            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: only kv, mlp and vocab sizes take a * mark")
+        if "*" in item and dim == "vocab_rows":
+            try:
+                out[WEIGHT_GRADS_LATER[dim]] = [int(v.partition("*")[2]) if "*" in v else 0 for v in values.split("/")]
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"bad --split item {item!r}: a vocabulary size's mark is *ROWS (rows whose weight "
+                    "gradients come later)") from None
+            values = "/".join(v.partition("*")[0] for v in values.split("/"))
+        elif "*" in item:
+            out[WEIGHT_GRADS_LATER[dim]] = [v.endswith("*") for v in values.split("/")]
+        values = values.replace("*", "")
         if key.strip() not in SPLIT_KEYS or not values:
             raise argparse.ArgumentTypeError(
                 f"bad --split item {item!r}: use kv=A/B/..., mlp=A/B/..., vocab=A/B/... separated by commas"
@@ -80,7 +87,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, help="pp mode: micro-batches per step (default: --batch-size)")
     p.add_argument("--replan-after", type=int, default=2,
                    help="xronos mode: check the split against the measured compute every this many timed steps "
-                        "(re-shard for a predicted 3%% gain; at most 8 checks, 3 re-shards; 0: never)")
+                        "(re-shard for a predicted 3%% gain, or 1%% that two checks in a row find; at most 8 checks, "
+                        "3 re-shards; 0: never)")
     p.add_argument("--collective", choices=("auto", "ring", "hub"), default="auto",
                    help="tp and xronos modes: all-reduce by gloo's ring, through a hub (the device with the "
                         "cheapest exchange), or auto: time both on the job's devices first and keep the faster")

@@ -62,6 +62,9 @@ class DeviceProfile(BaseModel):
     attention_weight_grad_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="Part of an attention share's seconds (fixed + per group) spent on "
                                           "its weight-gradient products (0: unmeasured).")
+    vocab_weight_grad_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Part of a vocabulary block's seconds (the per-block cost) spent on its LM "
+                                          "head weight-gradient product, which a rank can compute later (0: unmeasured).")
     allreduce_latency_seconds: NonNegativeFloat
     allreduce_seconds_per_mib: NonNegativeFloat = Field(description="This device's CPU cost of an all-reduce, per MiB.")
     memory_bytes: PositiveInt = Field(description="Memory the device can give to the job.")
@@ -113,6 +116,13 @@ def weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:
     weight gradients come later (`edge_node.tp.weight_grads`) moves out of its MLP segment."""
     mlp = unit_costs(p)[1]
     return p.mlp_weight_grad_fraction * (mlp.seconds(blocks) - mlp.floor)
+
+
+def vocab_weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:
+    """Per micro-step, the LM head weight-gradient products of `blocks` vocabulary blocks: what a rank
+    moves out of its vocabulary segment by computing them later (`edge_node.tp.weight_grads`). A product
+    scales with its rows alone, so it is priced per block: the fixed work of the head and loss stays."""
+    return p.vocab_weight_grad_fraction * blocks * p.vocab_block_seconds
 
 
 def attention_kept(p: DeviceProfile) -> Segment:

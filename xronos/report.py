@@ -38,6 +38,10 @@ class ReplanCheck(BaseModel):
     """Per rank: what the plan's profiles, as recalibrated by the earlier checks, predicted per step."""
     new_split: ShardSplit | None = None
     """The split it re-sharded to; None: the split was kept (gain under the threshold)."""
+    predicted_gain: float | None = None
+    """How much shorter the best split's step is than the current one's, by the recalibrated profiles."""
+    reshard_seconds: float | None = None
+    """What the re-shard took (checkpoint, reload, optimizer state), when it re-sharded."""
 
 
 class CollectiveChoice(BaseModel):

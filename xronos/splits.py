@@ -86,9 +86,10 @@ class ModelDims(BaseModel):
         )
 
 
-WEIGHT_GRADS_LATER = {"mlp_columns": "weight_grads_later", "kv_groups": "attention_weight_grads_later"}
+WEIGHT_GRADS_LATER = {"mlp_columns": "weight_grads_later", "kv_groups": "attention_weight_grads_later",
+                      "vocab_rows": "vocab_rows_later"}
 """The split dimensions whose weight-gradient products a rank may compute later, and the field that
-marks those ranks (see `edge_node.tp.weight_grads`)."""
+marks those ranks (see `edge_node.tp.weight_grads`; for the vocabulary, how many of its rows')."""
 
 
 class ShardSplit(BaseModel):
@@ -109,11 +110,16 @@ class ShardSplit(BaseModel):
     """Per rank, whether its attention's weight gradients are computed one backward all-reduce
     later, in the MLP backward of the layer below: the attention segment, which whole KV groups
     cannot balance, loses them, and the MLP segment, which columns balance, takes them."""
+    vocab_rows_later: list[NonNegativeInt] | None = None
+    """Per rank, how many of its vocabulary rows (its first) have their LM head weight gradients
+    computed later, a piece before each layer's attention backward all-reduce, in its wait for the
+    attention of other ranks (`edge_node.tp.weight_grads`); None: on no rank."""
 
     @model_validator(mode="after")
     def _same_world(self) -> "ShardSplit":
         sizes = {len(self.kv_groups), len(self.mlp_columns), len(self.vocab_rows)}
-        for per_rank in (self.kv_rows, self.weight_grads_later, self.attention_weight_grads_later):
+        for per_rank in (self.kv_rows, self.weight_grads_later, self.attention_weight_grads_later,
+                         self.vocab_rows_later):
             if per_rank is not None:
                 sizes.add(len(per_rank))
         if len(sizes) != 1 or 0 in sizes:
@@ -121,6 +127,9 @@ class ShardSplit(BaseModel):
                 "kv_groups, mlp_columns and vocab_rows must list one entry per rank "
                 f"(got {len(self.kv_groups)}, {len(self.mlp_columns)}, {len(self.vocab_rows)})"
             )
+        for rank, (later, rows) in enumerate(zip(self.vocab_rows_later or (), self.vocab_rows)):
+            if later > rows:
+                raise ValueError(f"rank {rank}'s vocab_rows_later {later} exceeds its {rows} vocabulary rows")
         return self
 
     @property
@@ -199,18 +208,25 @@ class ShardSplit(BaseModel):
         return ends[rank] - parts[rank], ends[rank]
 
     def rank_computes_weight_grads_later(self, dim: str, rank: int) -> bool:
-        """Whether `rank`'s weight gradients of dimension `dim` ('kv_groups', 'mlp_columns') come later."""
+        """Whether `rank`'s weight gradients of dimension `dim` come later ('vocab_rows': some of them)."""
         flags = getattr(self, WEIGHT_GRADS_LATER[dim]) if dim in WEIGHT_GRADS_LATER else None
         return bool(flags and flags[rank])
 
+    def vocab_later(self, rank: int) -> int:
+        """How many of `rank`'s vocabulary rows have their weight gradients computed later."""
+        return self.vocab_rows_later[rank] if self.vocab_rows_later else 0
+
     def describe(self) -> str:
-        """One line for terminals: kv 2*/1[0:3]/1[3:4] · mlp 128/64/0* · vocab ... ([r0:r1]: rows of a
-        shared group; *: that rank's weight gradients of that component come later)."""
+        """One line for terminals: kv 2*/1[0:3]/1[3:4] · mlp 128/64/0* · vocab 512/256*64/256 ([r0:r1]: rows
+        of a shared group; *: that rank's weight gradients of that component come later; *64: of 64 of its
+        vocabulary rows)."""
         rows = self.kv_rows or [None] * self.world_size
         star = lambda dim, rank: "*" if self.rank_computes_weight_grads_later(dim, rank) else ""  # noqa: E731
         kv = [kv_label(g, r) + star("kv_groups", rank) for rank, (g, r) in enumerate(zip(self.kv_groups, rows))]
         mlp = [f"{c}{star('mlp_columns', rank)}" for rank, c in enumerate(self.mlp_columns)]
+        vocab = [f"{c}*{self.vocab_later(rank)}" if self.vocab_later(rank) else f"{c}"
+                 for rank, c in enumerate(self.vocab_rows)]
         return " · ".join(
             f"{label} {'/'.join(map(str, parts))}"
-            for label, parts in (("kv", kv), ("mlp", mlp), ("vocab", self.vocab_rows))
+            for label, parts in (("kv", kv), ("mlp", mlp), ("vocab", vocab))
         )

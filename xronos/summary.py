@@ -53,6 +53,8 @@ def replan_lines(report: RunReport) -> list[str]:
         f"re-plan after step {c.after_step}: compute per step measured {seconds(c.measured_compute_seconds)}{parts(c)}, "
         f"predicted {seconds(c.predicted_compute_seconds)} -> "
         + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept")
+        + (f" (best {c.predicted_gain:.1%} shorter" if c.predicted_gain is not None else "")
+        + (f", {c.reshard_seconds:.1f} s)" if c.reshard_seconds is not None else ")" if c.predicted_gain is not None else "")
         for c in report.replans
     ]
 
@@ -71,8 +73,10 @@ def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
 def print_plan(plan) -> None:
     """The partitioner's plan: who holds what, predicted seconds, and who sits out and why."""
     print(f"split {plan.split.describe()}"
-          + ("  (*: weight gradients computed later: an MLP's in the wait for attention, an attention's"
-             " in the MLP below)" if plan.split.weight_grads_later or plan.split.attention_weight_grads_later else ""))
+          + ("  (*: weight gradients computed later: an MLP's, and vocab *N: the LM head's of N rows, in the wait"
+             " for attention, an attention's in the MLP below)"
+             if plan.split.weight_grads_later or plan.split.attention_weight_grads_later or plan.split.vocab_rows_later
+             else ""))
     print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)"
           + ("" if plan.optimal else "; the best plan found within the solver's time cap, not proven optimal"))
     print(f"predicted idle {plan.predicted_idle_ratio:.1%} (mean over devices of idle / step)")

@@ -25,7 +25,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        WEIGHT_GRADS.before_backward_collective()
+        WEIGHT_GRADS.before_backward_collective(ctx.closes)
         return all_reduce(grad.clone(memory_format=torch.contiguous_format), closes=ctx.closes), None
 
 

@@ -7,7 +7,9 @@ Order matters and mirrors the model's data flow:
    o and down; a rank with no KV group gets `HeadlessAttention`, a rank with
    some rows of a shared group gets `share_rows`;
 3. copy_to_tp after the final norm, then the vocabulary-parallel LM head
-   (tied to the embedding shard when the model ties them).
+   (tied to the embedding shard when the model ties them; some of its rows'
+   weight gradients spread over the layers' attention backward waits where
+   the split says so).
 The model's own forward code is untouched. Works on a meta-device model, so
 nothing full-sized is ever allocated.
 """
@@ -18,7 +20,7 @@ from torch import nn
 
 from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParallelEmbedding, share_rows
 from edge_node.tp.mappings import copy_to_tp
-from edge_node.tp.weight_grads import WeightGradLaterLinear
+from edge_node.tp.weight_grads import RowsWeightGradLaterLinear, WeightGradLaterLinear
 from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice, split_dim
 from xronos.errors import XronosError
 from xronos.splits import ModelDims, ShardSplit
@@ -82,7 +84,9 @@ def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
             share_rows(layer.self_attn, rows, split.micro_batch_rows)
 
     base.norm.register_forward_hook(_copy_output_to_tp("vocab_rows"))
-    model.lm_head = nn.Linear(dims.hidden_size, hi - lo, bias=False, device=device)
+    later = split.vocab_later(rank)
+    model.lm_head = (RowsWeightGradLaterLinear(dims.hidden_size, hi - lo, later, dims.num_layers, device=device)
+                     if later else nn.Linear(dims.hidden_size, hi - lo, bias=False, device=device))
     tie_vocab_shards(model)
     return model
 

@@ -19,6 +19,14 @@ speed (whole KV groups rarely divide evenly) can hand its attention's products
 (q, k, v, o) to the queue; they then run in the MLP backward of the layer below,
 a segment the plan balances to the column, and the attention all-reduce that
 everyone waits for comes sooner. The last layer's (layer 0's) run at the flush.
+
+And the LM head's: its weight-gradient product (the vocabulary rows' share of the
+step's largest matrix product) is needed no sooner than the MLP's, but it comes
+at the start of the backward pass, in the vocabulary segment. A rank that waits
+through the layers' attention backward can take some of its rows' products out
+of that segment (`ShardSplit.vocab_rows_later`): they are cut into one piece per
+layer (`WeightGradQueue.spread`), and each layer's attention backward all-reduce
+runs one piece first, so the rank holds more vocabulary rows in the same time.
 """
 
 from __future__ import annotations
@@ -30,27 +38,40 @@ import torch.nn.functional as F
 from torch import nn
 
 
+SPREAD_BEFORE = "kv_groups"
+"""The backward collectives that each run one spread piece first: the attention's, which a rank
+with less attention than the slowest waits in."""
+
+
 class WeightGradQueue:
-    """Weight-gradient products waiting for the next backward collective but one."""
+    """Weight-gradient products waiting for the next backward collective but one, and products
+    spread one per attention backward collective."""
 
     def __init__(self) -> None:
         self.pending: list[Callable[[], None]] = []  # queued since the last backward collective
         self.held: list[Callable[[], None]] = []  # have let one backward collective go by
+        self.spread: list[Callable[[], None]] = []  # one runs before each attention backward collective
 
     def add(self, product: Callable[[], None]) -> None:
         self.pending.append(product)
 
-    def before_backward_collective(self) -> None:
-        """Run what has waited one collective; what came since waits for the next."""
+    def add_spread(self, products: list[Callable[[], None]]) -> None:
+        self.spread.extend(products)
+
+    def before_backward_collective(self, closes: str | None = None) -> None:
+        """Run what has waited one collective (what came since waits for the next), and before an
+        attention backward collective (`closes`: the segment it ends) the next spread piece."""
         for product in self.held:
             product()
         self.held, self.pending = self.pending, []
+        if closes == SPREAD_BEFORE and self.spread:
+            self.spread.pop(0)()
 
     def flush(self) -> None:
         """Run everything still queued (the end of a backward pass: the optimizer needs the gradients)."""
-        for product in self.held + self.pending:
+        for product in self.held + self.pending + self.spread:
             product()
-        self.held, self.pending = [], []
+        self.held, self.pending, self.spread = [], [], []
 
 
 WEIGHT_GRADS = WeightGradQueue()
@@ -108,3 +129,55 @@ def weight_grads_later(linear: nn.Linear) -> WeightGradLaterLinear:
                                   device="meta")
     later.weight, later.bias = linear.weight, linear.bias
     return later
+
+
+def _accumulate_rows(param: nn.Parameter, start: int, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """param.grad[start:start + rows] += grad_out^T x, in place (rows: grad_out's columns)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    param.grad[start : start + grad_out.shape[1]].addmm_(grad_out.t(), x)
+
+
+class _LinearRowsWeightGradLater(torch.autograd.Function):
+    """y = x W^T; the backward returns the input's gradient, accumulates the weight gradient of rows
+    `later_rows`.. itself and spreads that of rows ..`later_rows` over `pieces` products."""
+
+    @staticmethod
+    def forward(ctx, x, weight, later_rows, pieces):
+        ctx.save_for_backward(x, weight)
+        ctx.param, ctx.later_rows, ctx.pieces = weight, later_rows, pieces
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        param, later = ctx.param, ctx.later_rows
+        grad_x = grad.matmul(weight)
+        g2, x2 = grad.flatten(0, -2), x.flatten(0, -2)
+        if later < weight.shape[0]:
+            _accumulate_rows(param, later, g2[:, later:], x2)
+        g2 = g2[:, :later].contiguous()  # the pieces keep only their rows' gradient, not all the logits'
+
+        def piece(start: int, stop: int) -> Callable[[], None]:
+            @torch.no_grad()
+            def product() -> None:
+                _accumulate_rows(param, start, g2[:, start:stop], x2)
+            return product
+
+        bounds = [round(later * k / ctx.pieces) for k in range(ctx.pieces + 1)]
+        WEIGHT_GRADS.add_spread([piece(a, b) for a, b in zip(bounds, bounds[1:]) if b > a])
+        return grad_x, None, None, None
+
+
+class RowsWeightGradLaterLinear(nn.Linear):
+    """A bias-free `nn.Linear` (the vocabulary-parallel LM head) whose first `later_rows` output rows'
+    weight gradients are spread over `pieces` attention backward collectives (`WeightGradQueue.spread`)."""
+
+    def __init__(self, in_features: int, out_features: int, later_rows: int, pieces: int, device=None):
+        super().__init__(in_features, out_features, bias=False, device=device)
+        if not 0 < later_rows <= out_features or pieces < 1:
+            raise ValueError(f"later rows {later_rows} of {out_features}, in {pieces} pieces")
+        self.later_rows, self.pieces = later_rows, pieces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearRowsWeightGradLater.apply(x, self.weight, self.later_rows, self.pieces)
