@@ -460,24 +460,19 @@ class VocabCost(NamedTuple):
         return unit_costs(self.profile)[2].seconds(units) - vocab_weight_grad_seconds(self.profile, self.later(units))
 
 
-def _vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, units: list[float] | None, m: list[int],
-                  later: Later):
-    """The vocabulary water-filled beside these attention units, MLP blocks and moves, each device's
-    LM head products moved (by whole blocks) into the room its attention backward spans have left.
-    units None: room without limit, a lower bound. Returns (seconds, blocks, `later` with the moves)."""
+def _vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, rooms: list[float] | None, later: Later):
+    """The vocabulary water-filled with each device's LM head products moved (by whole blocks) into the
+    `rooms` its attention backward spans have left, per layer, after its MLP's moves (None: room without
+    limit, a lower bound). Returns (seconds, blocks, `later` with the moves)."""
     blocks = _units(dims)[2]
-    if units is None:
-        costs = [VocabCost(p, blocks) for p in profiles]
-    else:
-        deferred = [attention_weight_grad_seconds(p, u) if a else 0.0
-                    for p, u, a in zip(profiles, units, later.attention)]
-        backs = [attention_backward_seconds(p, u) - d for p, u, d in zip(profiles, units, deferred)]
-        moved = [weight_grad_seconds(p, b) if f else 0.0 for p, b, f in zip(profiles, m, later.mlp)]
-        costs = []
-        for p, back, w, defers in zip(profiles, backs, moved, later.attention):
-            room, per_block = dims.num_layers * (max(backs) - back - w), vocab_weight_grad_seconds(p, 1)
-            fits = int(room / per_block * (1 + 1e-12)) if per_block > 0 and room > 0 and not defers else 0
-            costs.append(VocabCost(p, min(fits, blocks)))
+    costs = []
+    for i, p in enumerate(profiles):
+        per_block = vocab_weight_grad_seconds(p, 1)
+        if rooms is None:
+            fits = blocks
+        else:
+            fits = min(blocks, int(dims.num_layers * rooms[i] / per_block * (1 + 1e-12))) if per_block > 0 and rooms[i] > 0 else 0
+        costs.append(VocabCost(p, fits))
     tv, v = water_fill(costs, blocks)
     taken = [c.later(u) for c, u in zip(costs, v)]
     return tv, v, later._replace(vocab=taken if any(taken) else None)
@@ -486,7 +481,7 @@ def _vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, units: list[fl
 def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], blocks: int):
     """Given each device's attention units: which devices defer their attention's weight gradients
     to the MLP segment, and the MLP split beside that. Returns (attention + MLP seconds per layer,
-    MLP blocks, Later).
+    MLP blocks, Later, each device's room left in its attention backward span after its MLP moves).
 
     Exact for these units, a device deferring one of its two components at most: deferring its
     attention helps only a device whose attention is the segment's longest (elsewhere it only
@@ -502,9 +497,10 @@ def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], block
         defer = [a > level and d > 0 for a, d in zip(attention, deferrable)]
         deferred = [d if f else 0.0 for d, f in zip(deferrable, defer)]
         ta = max(a - d for a, d in zip(attention, deferred))
-        tm, m, mlp_later = _mlp_split(_mlp_costs(profiles, units, deferred), blocks)
+        costs = _mlp_costs(profiles, units, deferred)
+        tm, m, mlp_later = _mlp_split(costs, blocks)
         if best is None or ta + tm < best[0] - 1e-12:
-            best = (ta + tm, m, Later(mlp_later, defer))
+            best = (ta + tm, m, Later(mlp_later, defer), [c.room - c.moved(u) for c, u in zip(costs, m)])
     return best
 
 
@@ -528,12 +524,12 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
         # deferral removes, and no MLP or vocabulary lower than with all its weight gradients moved
         # and none taken in
         tm, m, later = _mlp_split(_mlp_costs(part, None), MB)
-        tv, v, moves = _vocab_beside(part, dims, None, m, Later(later, [False] * len(part)))
+        tv, v, moves = _vocab_beside(part, dims, None, Later(later, [False] * len(part)))
         return L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v, moves
     whole, g_kept = None, water_fill(kept, G)[1]
     for groups in [g] + ([g_kept] if g_kept != g else []):
-        seconds, m, later = _attention_then_mlp(part, groups, MB)
-        tv, v, later = _vocab_beside(part, dims, groups, m, later)
+        seconds, m, later, rooms = _attention_then_mlp(part, groups, MB)
+        tv, v, later = _vocab_beside(part, dims, rooms, later)
         if whole is None or L * seconds + tv + coll < whole[0] - 1e-12:
             whole = (L * seconds + tv + coll, coll, [(k, None) for k in groups], m, v, later)
     if rows == 1 or len(members) == 1:
@@ -542,8 +538,8 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     _, layout = attention_layout(list(attn), G, rows, L, share, bound=ta)
     units = [k if r is None else (r[1] - r[0]) / rows for k, r in layout]
     shared = sum(1 for _, r in layout if r is not None and r[0] == 0)
-    seconds, m_rows, later_rows = _attention_then_mlp(part, units, MB)
-    tv, v, later_rows = _vocab_beside(part, dims, units, m_rows, later_rows)
+    seconds, m_rows, later_rows, rooms = _attention_then_mlp(part, units, MB)
+    tv, v, later_rows = _vocab_beside(part, dims, rooms, later_rows)
     step = L * seconds + share * shared + tv + coll
     if step > whole[0] * (1 - ROW_SHARE_MIN_GAIN):
         return whole

@@ -1,0 +1,64 @@
+"""Replay a bench's `xronos` rounds offline: what their profiles decided, and what else they predicted.
+
+For each round in the JSON of `xronos bench --json` (its `round_reports`): each device's profiled
+collective cost (what decides who takes part), the predicted step with every device and with the
+slowest left out, and, on the profiles as the round's re-plan checks left them (replayed through
+`replan` along the splits the round really ran), the best plan with and without the LM head's
+weight-gradient products moved (`vocab_weight_grad_fraction` set to 0). Pure arithmetic on the
+recorded profiles and measurements: it runs nothing. Not a test: numbers, to be quoted.
+
+    python benchmarks/replay_bench.py strong.json --model M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from controller.partitioner import (MeasuredCompute, _solve_members, collective_seconds, plan_partition, replan)
+from edge_node.model_io import load_config
+from xronos.profiles import DeviceProfile
+from xronos.report import RunReport
+from xronos.splits import ModelDims
+
+
+def final_profiles(report: RunReport, dims: ModelDims, micro_batch: int, seq_len: int) -> list[DeviceProfile]:
+    """The participants' profiles as the round's last check recalibrated them (rank order)."""
+    plan = plan_partition(report.profiles, dims, micro_batch, seq_len)
+    profiles = [report.profiles[i] for i, d in enumerate(plan.devices) if d.rank is not None]
+    split = plan.split
+    for check in report.replans:
+        measured = [MeasuredCompute(t, tuple(s)) for t, s in
+                    zip(check.measured_compute_seconds, check.measured_segment_seconds or [(0.0,) * 3] * len(profiles))]
+        profiles = replan(profiles, dims, split, measured, micro_batch, seq_len).profiles
+        split = check.new_split or split
+    return profiles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bench_json")
+    parser.add_argument("--model", required=True, help="the model directory the bench trained")
+    parser.add_argument("--batch-size", type=int, default=4, help="rows per micro-step of the bench")
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args()
+    dims = ModelDims.from_config(load_config(args.model))
+    data = json.loads(open(args.bench_json).read())
+    for k, raw in enumerate(data.get("round_reports", {}).get("xronos") or [data["reports"]["xronos"]]):
+        report = RunReport.model_validate(raw)
+        every = list(range(len(report.profiles)))
+        coll = " ".join(f"{collective_seconds(p, dims) * 1e3:.0f}" for p in report.profiles)
+        all_in = _solve_members(report.profiles, dims, every, args.batch_size)[0]
+        without = _solve_members(report.profiles, dims, every[:-1], args.batch_size)[0]
+        print(f"round {k + 1}: ran {report.split.describe()}, idle {report.idle_ratio:.1%}; collective ms/step {coll}; "
+              f"predicted step, all devices {all_in:.3f} s, the last left out {without:.3f} s")
+        final = final_profiles(report, dims, args.batch_size, args.seq_len)
+        for label, profiles in (("moves", final),
+                                ("no moves", [p.model_copy(update={"vocab_weight_grad_fraction": 0.0}) for p in final])):
+            plan = plan_partition(profiles, dims, args.batch_size, args.seq_len)
+            print(f"  final profiles, {label:>8}: {plan.split.describe()}  step {plan.predicted_step_seconds:.3f} s, "
+                  f"idle {plan.predicted_idle_ratio:.1%}")
+
+
+if __name__ == "__main__":
+    main()
