@@ -2,7 +2,7 @@
 
 For each round in the JSON of `xronos bench --json` (its `round_reports`): each device's profiled
 collective cost (what decides who takes part), the predicted step with every device and with the
-slowest left out, and, on the profiles as the round's re-plan checks left them (replayed through
+last one (listed last in `--speeds`: the slowest in the README's benches) left out, and, on the profiles as the round's re-plan checks left them (replayed through
 `replan` along the splits the round really ran), the best plan with and without the LM head's
 weight-gradient products moved (`vocab_weight_grad_fraction` set to 0). Pure arithmetic on the
 recorded profiles and measurements: it runs nothing. Not a test: numbers, to be quoted.

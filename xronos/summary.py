@@ -49,12 +49,15 @@ def replan_lines(report: RunReport) -> list[str]:
         segments = c.measured_segment_seconds
         return f" ({'/'.join('+'.join(f'{x:.2f}' for x in rank) for rank in segments)})" if segments else ""
 
+    def outcome(c) -> str:
+        notes = ([f"best {c.predicted_gain:.1%} shorter"] if c.predicted_gain is not None else []) + (
+            [f"{c.reshard_seconds:.1f} s"] if c.reshard_seconds is not None else [])
+        return f" ({', '.join(notes)})" if notes else ""
+
     return [
         f"re-plan after step {c.after_step}: compute per step measured {seconds(c.measured_compute_seconds)}{parts(c)}, "
         f"predicted {seconds(c.predicted_compute_seconds)} -> "
-        + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept")
-        + (f" (best {c.predicted_gain:.1%} shorter" if c.predicted_gain is not None else "")
-        + (f", {c.reshard_seconds:.1f} s)" if c.reshard_seconds is not None else ")" if c.predicted_gain is not None else "")
+        + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept") + outcome(c)
         for c in report.replans
     ]
 
