@@ -60,7 +60,9 @@ class SafetensorsReader:
         self._files: dict[str, object] = {}
 
     def read(self, name: str, part: Slice | None = None) -> torch.Tensor:
-        """Tensor `name` (or just `part` of it) as float32."""
+        """Tensor `name` (or just `part` of it) as float32, contiguous: a slice across columns comes
+        as a strided view, and fused AdamW reads moments restored from it as laid out like their
+        parameters (a strided moment silently took the wrong elements)."""
         if name not in self.weight_map:
             raise XronosError(f"checkpoint in {str(self.dir)!r} has no tensor {name!r}")
         file = self.weight_map[name]
@@ -73,7 +75,7 @@ class SafetensorsReader:
             index = [slice(None)] * len(handle.get_shape())
             index[part.dim] = slice(part.start, part.stop)
             tensor = handle[tuple(index)]
-        return tensor.to(torch.float32)
+        return tensor.to(torch.float32).contiguous()
 
 
 def reset_rotary(model: nn.Module, config) -> None:

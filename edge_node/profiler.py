@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 from edge_node.model_io import ATTN_IMPLEMENTATION
+from edge_node.optimizer import adamw
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.weight_grads import WEIGHT_GRADS, linear_weight_grad_later, weight_grads_later
 from xronos.errors import XronosError
@@ -98,7 +99,7 @@ class _Parts:
 
 def _training_step(forward, params: list[torch.Tensor], parts: _Parts | None = None):
     """forward + backward + AdamW update of one component, in isolation (timed in `parts`)."""
-    opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+    opt = adamw(params, lr=1e-6)
     parts = parts or _Parts()
 
     def step():
@@ -195,7 +196,7 @@ MAX_LATER_FRACTION = 0.6
 an MLP share's seconds and ~20-30% of an attention share's, with the update); a larger measured
 part is a disturbed window."""
 
-PROFILER_VERSION = 7
+PROFILER_VERSION = 8
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 

@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from edge_node import checkpoint
 from edge_node.data import batch_rows
+from edge_node.optimizer import adamw
 from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_full, load_shard
-from edge_node.tp.comm import CLOCK, time_collectives, use_hub
+from edge_node.tp.comm import CLOCK, time_collectives, use_holders, use_hub
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
@@ -147,6 +148,7 @@ class Trainer:
         if not self.tensor_parallel:
             return load_full(source)
         self.vocab_start = self.spec.split.interval("vocab_rows", self.rank)[0]
+        use_holders({dim: self.spec.split.holders(dim) for dim in SEGMENT_FIELDS})
         return load_shard(source, self.spec.split, self.rank)
 
     def slice_of(self, name: str, rank: int):
@@ -345,7 +347,7 @@ class Trainer:
             checkpoint.promote_files(self.output / ".final", self.output)
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.job.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        return adamw(self.model.parameters(), self.job.lr)
 
     def restore_optimizer(self, directory: Path, adam_step: float) -> None:
         """AdamW moments for this rank's slices, from a checkpoint's full tensors."""

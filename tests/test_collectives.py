@@ -2,7 +2,8 @@
 
 Real processes, real gloo point-to-point messages over loopback. The equivalence tests
 train through both algorithms; this one checks the hub at every position, both
-operations and odd sizes directly, and that `auto`'s timings agree across ranks.
+operations and odd sizes directly, and that `auto`'s timings agree across ranks; and
+that an all-reduce whose segment only some ranks hold a share of sums their parts alone.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from edge_node.tp.comm import CLOCK, all_reduce, time_collectives, use_hub
+from edge_node.tp.comm import CLOCK, all_reduce, time_collectives, use_holders, use_hub
 from edge_node.worker_process import free_port
 
 SHAPES = [(1,), (7, 5), (3, 128, 24)]
@@ -61,3 +62,42 @@ def test_hub_all_reduce_equals_ring_on_every_rank(world):
     timings = {results[rank]["timings"] for rank in range(world)}
     assert len(timings) == 1 and all(t > 0 for t in timings.pop())
     assert all(results[rank]["untimed"] for rank in range(world))
+
+
+HOLDER_SETS = [(0,), (1,), (2,), (0, 2), (1, 2)]
+
+
+def _holders_ranks(rank: int, world: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for hub in (None, 0, 2):
+            for holders in HOLDER_SETS:
+                x = torch.randn(3, 128, 24, generator=torch.Generator().manual_seed(rank))
+                use_hub(hub)
+                use_holders({"mlp_columns": holders})
+                # A rank without a share adds zeros; where it is left out (the hub, or one holder's
+                # broadcast; the ring keeps its zeros) it gets garbage instead, to see it is.
+                left_out = hub is not None or len(holders) == 1
+                skipped = all_reduce(x.clone() if rank in holders else torch.full_like(x, 1e6 if left_out else 0.0),
+                                     closes="mlp_columns")
+                use_holders({})
+                full = all_reduce(x.clone() if rank in holders else torch.zeros_like(x), closes="mlp_columns")
+                out[(hub, holders)] = (skipped, full)
+        results[rank] = out
+    finally:
+        use_holders({})
+        dist.destroy_process_group()
+
+
+def test_an_all_reduce_sums_the_holders_parts_alone_to_the_bit():
+    """A broadcast where one rank holds the share; through the hub, the others only receive;
+    by the ring, several holders sum as before (zeros and all). The same bytes as the full sum."""
+    world, results = 3, mp.Manager().dict()
+    mp.spawn(_holders_ranks, args=(world, free_port(), results), nprocs=world)
+    for key in results[0]:
+        for rank in range(world):
+            skipped, full = results[rank][key]
+            assert skipped.abs().max() < 1e3, f"a rank without a share was summed: {key}"
+            assert torch.equal(skipped, full), f"rank {rank}: {key}"
+            assert torch.equal(skipped, results[0][key][0]), f"rank {rank} differs from rank 0: {key}"

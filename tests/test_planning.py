@@ -59,3 +59,11 @@ def test_param_slices_follow_groups_and_units():
     assert param_slice("lm_head.weight", split, 2, DIMS) == Slice(0, 100, 49152)
     assert param_slice("model.norm.weight", split, 0, DIMS) is None
     assert param_slice("model.layers.3.input_layernorm.weight", split, 0, DIMS) is None
+
+
+def test_holders_are_the_ranks_with_some_of_a_dimension():
+    split = ShardSplit(kv_groups=[2, 0, 1], mlp_columns=[1000, 536, 0], vocab_rows=[0, 100, 49052])
+    assert (split.holders("kv_groups"), split.holders("mlp_columns"), split.holders("vocab_rows")) == ((0, 2), (0, 1), (1, 2))
+    shared = ShardSplit(kv_groups=[2, 1, 1, 0], kv_rows=[None, (0, 3), (3, 4), None], mlp_columns=[1536, 0, 0, 0],
+                        vocab_rows=[49152, 0, 0, 0])
+    assert shared.holders("kv_groups") == (0, 1, 2)  # rows of a shared group are a share
