@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from edge_node.optimizer import ADAM_MOMENTS
 from edge_node.tp.plan import Slice
 
 SliceOf = Callable[[str, int], Slice | None]
@@ -156,7 +157,8 @@ def _temp_dir(final: Path) -> Path:
     return tmp
 
 
-def _adam_moments(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], key: str):
+def adam_moments(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], key: str):
+    """AdamW's moment `key` of each named parameter (zeros where it has not stepped yet)."""
     out = {}
     for name, p in params.items():
         state = optimizer.state.get(p, {})
@@ -181,8 +183,8 @@ def save(
     write = (lambda stem, it: write_safetensors(tmp, stem, shapes, it)) if rank == 0 else (lambda stem, it: list(it))
     write("model", gather_full(params, shapes, slice_of, rank, world))
     if optimizer is not None:
-        for key in ("exp_avg", "exp_avg_sq"):
-            write(key, gather_full(_adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
+        for key in ADAM_MOMENTS:
+            write(key, gather_full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
     if rank == 0:
         copy_model_files(source_model, tmp)
         if trainer_state is not None:

@@ -93,17 +93,23 @@ def full_param_shapes(config) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-def load_shard(model_dir: str | os.PathLike, split: ShardSplit, rank: int) -> nn.Module:
-    """Rank `rank`'s tensor-parallel shard of the model, reading only its own slices."""
-    config = load_config(model_dir)
-    dims = ModelDims.from_config(config)
-    split.check(dims)
+def empty_shard(config, split: ShardSplit, rank: int) -> nn.Module:
+    """Rank `rank`'s shard of the model `config` describes, its parameters allocated, not filled."""
+    split.check(ModelDims.from_config(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
     parallelize(model, split, rank)
     model.to_empty(device="cpu")
     tie_vocab_shards(model)
     reset_rotary(model, config)
+    return model
+
+
+def load_shard(model_dir: str | os.PathLike, split: ShardSplit, rank: int) -> nn.Module:
+    """Rank `rank`'s tensor-parallel shard of the model, reading only its own slices."""
+    config = load_config(model_dir)
+    dims = ModelDims.from_config(config)
+    model = empty_shard(config, split, rank)
     reader = SafetensorsReader(model_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 import torch
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The per-parameter state AdamW keeps beside `step`, as checkpoints store it."""
 
 
 def adamw(params: Iterable[torch.Tensor], lr: float) -> torch.optim.AdamW:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,9 @@ from safetensors.torch import load_file
 
 from edge_node import checkpoint
 from edge_node.data import batch_rows
-from edge_node.optimizer import adamw
-from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_full, load_shard
+from edge_node.optimizer import ADAM_MOMENTS, adamw
+from edge_node.reshard import reshard_tensors
+from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes, load_config, load_full, load_shard
 from edge_node.tp.comm import CLOCK, time_collectives, use_holders, use_hub
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
@@ -147,9 +147,14 @@ class Trainer:
     def load_model(self, source: Path, config):
         if not self.tensor_parallel:
             return load_full(source)
+        return self.enter_split(load_shard(source, self.spec.split, self.rank))
+
+    def enter_split(self, model):
+        """What this rank keeps of its split beside the model: its first vocabulary row and who
+        holds each dimension (the all-reduces skip the others); returns the model."""
         self.vocab_start = self.spec.split.interval("vocab_rows", self.rank)[0]
         use_holders({dim: self.spec.split.holders(dim) for dim in SEGMENT_FIELDS})
-        return load_shard(source, self.spec.split, self.rank)
+        return model
 
     def slice_of(self, name: str, rank: int):
         return param_slice(name, self.spec.split, rank, self.dims) if self.tensor_parallel else None
@@ -256,8 +261,8 @@ class Trainer:
 
         Timed steps so far (all but the warm-up) give each rank's compute per step, in all and
         in its attention, MLP and vocabulary segments; rank 0 re-plans with profiles scaled to
-        match; a changed split is applied through a checkpoint that every rank re-reads its
-        new slices from.
+        match; a changed split is applied in memory, the slices that change hands sent
+        rank to rank (`reshard`).
         """
         from controller.partitioner import MeasuredCompute, replan
 
@@ -302,20 +307,28 @@ class Trainer:
         return min_replan_gain(kept_gain, timed[-1] if timed else None, step_seconds, steps_left)
 
     def reshard(self, new_split: ShardSplit) -> None:
-        """Move every rank to `new_split` through a checkpoint (optimizer state included)."""
+        """Move every rank to `new_split` in memory (`edge_node.reshard`): parameters and AdamW
+        moments, each rank receiving only the slices that change hands."""
         self.reshards += 1
         self.measure_from = len(self.step_seconds) + WARMUP_STEPS  # after a re-shard the steps warm up again
-        staging = self.output / ".replan"
         adam_step = float(self.optimizer.state[next(iter(self.model.parameters()))]["step"])
-        self._save(staging, True, {"step": 0, "adam_step": adam_step, "losses": []})
-        dist.barrier()
+        params = dict(self.model.named_parameters())
+        moments = [checkpoint.adam_moments(self.optimizer, params, key) for key in ADAM_MOMENTS]
+        held = {name: [p, *(m[name] for m in moments)] for name, p in params.items()}
+        old_split = self.spec.split
+        old_slice_of = lambda name, rank: param_slice(name, old_split, rank, self.dims)  # noqa: E731
         self.spec = self.spec.model_copy(update={"split": new_split})
-        self.model = self.load_model(staging, self.config)
+        moved = reshard_tensors(held, self.shapes, old_slice_of, self.slice_of, self.rank, self.world)
+        del held, params, moments
+        self.model = self.enter_split(empty_shard(self.config, new_split, self.rank))
         self.optimizer = self.make_optimizer()
-        self.restore_optimizer(staging, adam_step)
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                value, *state = moved[name]
+                param.copy_(value)
+                self.optimizer.state[param] = {"step": torch.tensor(adam_step, dtype=torch.float32),
+                                               **dict(zip(ADAM_MOMENTS, state))}
+        self.model.train()
 
     # -- checkpoints --------------------------------------------------------
     def _save(self, final: Path, with_optimizer: bool, state: dict | None) -> None:
@@ -351,7 +364,7 @@ class Trainer:
 
     def restore_optimizer(self, directory: Path, adam_step: float) -> None:
         """AdamW moments for this rank's slices, from a checkpoint's full tensors."""
-        readers = {key: SafetensorsReader(directory, stem=key) for key in ("exp_avg", "exp_avg_sq")}
+        readers = {key: SafetensorsReader(directory, stem=key) for key in ADAM_MOMENTS}
         for name, param in self.model.named_parameters():
             part = self.slice_of(name, self.rank)
             self.optimizer.state[param] = {
