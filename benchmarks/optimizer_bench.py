@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from edge_node.optimizer import BETAS, EPS
+from edge_node.optimizer import BETAS, EPS, WEIGHT_DECAY
 from edge_node.toy_model import SMOL_SHAPES, make_model
 
 FLAVOURS = {"for-loop (CPU default)": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -44,8 +44,8 @@ def main() -> None:
         start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         passes.append(time.perf_counter() - start)
-    params = [p for p in model.parameters()]
-    optimizers = {name: torch.optim.AdamW(params, lr=1e-6, betas=BETAS, eps=EPS, weight_decay=0.0, **kw)
+    params = list(model.parameters())
+    optimizers = {name: torch.optim.AdamW(params, lr=1e-6, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kw)
                   for name, kw in FLAVOURS.items()}
     seconds = {name: [] for name in optimizers}
     for _ in range(args.repeats + 1):  # the first turn allocates the moments

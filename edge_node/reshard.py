@@ -68,7 +68,7 @@ def reshard_tensors(tensors: dict[str, list[torch.Tensor]], shapes: dict[str, to
         old = [old_slice_of(name, r) for r in range(world)]
         if old[0] is None:  # replicated: every rank holds the whole of it already
             if name in tensors:
-                out[name] = [t.detach().clone() for t in tensors[name]]
+                out[name] = [t.detach() for t in tensors[name]]
             continue
         new = [new_slice_of(name, r) for r in range(world)]
         mine, held, dim = new[rank], old[rank], old[rank].dim

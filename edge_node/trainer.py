@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 from edge_node import checkpoint
 from edge_node.data import batch_rows
-from edge_node.optimizer import ADAM_MOMENTS, adamw
-from edge_node.reshard import reshard_tensors
 from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes, load_config, load_full, load_shard
+from edge_node.optimizer import ADAM_MOMENTS, adam_state, adam_step, adamw
+from edge_node.reshard import reshard_tensors
 from edge_node.tp.comm import CLOCK, time_collectives, use_holders, use_hub
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
@@ -311,7 +311,7 @@ class Trainer:
         moments, each rank receiving only the slices that change hands."""
         self.reshards += 1
         self.measure_from = len(self.step_seconds) + WARMUP_STEPS  # after a re-shard the steps warm up again
-        adam_step = float(self.optimizer.state[next(iter(self.model.parameters()))]["step"])
+        step = adam_step(self.optimizer)
         params = dict(self.model.named_parameters())
         moments = [checkpoint.adam_moments(self.optimizer, params, key) for key in ADAM_MOMENTS]
         held = {name: [p, *(m[name] for m in moments)] for name, p in params.items()}
@@ -326,8 +326,7 @@ class Trainer:
             for name, param in self.model.named_parameters():
                 value, *state = moved[name]
                 param.copy_(value)
-                self.optimizer.state[param] = {"step": torch.tensor(adam_step, dtype=torch.float32),
-                                               **dict(zip(ADAM_MOMENTS, state))}
+                self.optimizer.state[param] = adam_state(step, state)
         self.model.train()
 
     # -- checkpoints --------------------------------------------------------
@@ -346,8 +345,7 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         """A resumable checkpoint: model, AdamW moments, step and losses so far."""
-        adam_step = self.optimizer.state[next(iter(self.model.parameters()))].get("step", torch.tensor(0.0))
-        state = {"step": step, "adam_step": float(adam_step), "losses": self.losses,
+        state = {"step": step, "adam_step": adam_step(self.optimizer), "losses": self.losses,
                  "replans": [c.model_dump() for c in self.replans]}
         self._save(checkpoint.checkpoint_dir(self.output, step), True, state)
         if self.rank == 0:
@@ -362,15 +360,12 @@ class Trainer:
     def make_optimizer(self) -> torch.optim.Optimizer:
         return adamw(self.model.parameters(), self.job.lr)
 
-    def restore_optimizer(self, directory: Path, adam_step: float) -> None:
+    def restore_optimizer(self, directory: Path, step: float) -> None:
         """AdamW moments for this rank's slices, from a checkpoint's full tensors."""
-        readers = {key: SafetensorsReader(directory, stem=key) for key in ADAM_MOMENTS}
+        readers = [SafetensorsReader(directory, stem=key) for key in ADAM_MOMENTS]
         for name, param in self.model.named_parameters():
             part = self.slice_of(name, self.rank)
-            self.optimizer.state[param] = {
-                "step": torch.tensor(adam_step, dtype=torch.float32),
-                **{key: reader.read(self.checkpoint_key(name), part) for key, reader in readers.items()},
-            }
+            self.optimizer.state[param] = adam_state(step, [r.read(self.checkpoint_key(name), part) for r in readers])
 
     def _restore(self, directory: Path) -> None:
         """Continue from a checkpoint: the model was loaded from it; now AdamW and the step."""

@@ -210,7 +210,7 @@ class ShardSplit(BaseModel):
     def holders(self, dim: str) -> tuple[int, ...]:
         """The ranks that own some of `dim`: the only ones whose partial sums in that dimension's
         all-reduces are not zeros (`edge_node.tp.comm` skips the zeros)."""
-        return tuple(r for r in range(self.world_size) if len(range(*self.interval(dim, r))) > 0)
+        return tuple(r for r in range(self.world_size) if self.interval(dim, r)[0] < self.interval(dim, r)[1])
 
     def rank_computes_weight_grads_later(self, dim: str, rank: int) -> bool:
         """Whether `rank`'s weight gradients of dimension `dim` come later ('vocab_rows': some of them)."""

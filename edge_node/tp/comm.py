@@ -24,7 +24,7 @@ vocabulary row) adds only zeros to the all-reduces that close that dimension's
 segments, so it does not send them (`use_holders`): where one rank holds all of
 it (a layout such as kv 3/0/0), the all-reduce is that rank's broadcast; through
 the hub, the ranks without a share only receive. The sum is the same to the
-bit (x + 0 = x), the bytes moved fewer: in isolation, 1.3 ms instead of 3.9 ms
+bit (x + 0 = x), the bytes moved fewer: in isolation, 1.2 ms instead of 4.0 ms
 for one SmolLM2 activation among devices of speeds 1, 0.5 and 0.25
 (`benchmarks/collective_bench.py`).
 """
