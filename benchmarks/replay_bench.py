@@ -3,8 +3,10 @@
 For each round in the JSON of `xronos bench --json` (its `round_reports`): each device's profiled
 collective cost (what decides who takes part), the predicted step with every device and with the
 last one (listed last in `--speeds`: the slowest in the README's benches) left out, and, on the profiles as the round's re-plan checks left them (replayed through
-`replan` along the splits the round really ran), the best plan with and without the LM head's
-weight-gradient products moved (`vocab_weight_grad_fraction` set to 0). Pure arithmetic on the
+`replan` along the splits the round really ran), the split it ended on as those profiles predict it
+(each device's compute and the idle they leave: what the plan chose, beside what was measured), and
+the best plan with and without the LM head's weight-gradient products moved
+(`vocab_weight_grad_fraction` set to 0). Pure arithmetic on the
 recorded profiles and measurements: it runs nothing. Not a test: numbers, to be quoted.
 
     python benchmarks/replay_bench.py strong.json --model M
@@ -15,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from controller.partitioner import (MeasuredCompute, _solve_members, collective_seconds, plan_partition, replan)
+from controller.partitioner import (MeasuredCompute, _solve_members, collective_seconds, device_compute, plan_partition,
+                                    replan, split_step_seconds)
 from edge_node.model_io import load_config
 from xronos.profiles import DeviceProfile
-from xronos.report import RunReport
+from xronos.report import RunReport, idle_seconds
 from xronos.splits import ModelDims
 
 
@@ -53,6 +56,9 @@ def main() -> None:
         print(f"round {k + 1}: ran {report.split.describe()}, idle {report.idle_ratio:.1%}; collective ms/step {coll}; "
               f"predicted step, all devices {all_in:.3f} s, the last left out {without:.3f} s")
         final = final_profiles(report, dims, args.batch_size, args.seq_len)
+        compute = [device_compute(p, dims, *share) for p, share in zip(final, report.split.shares())]
+        idle = sum(idle_seconds(compute)) / len(compute) / split_step_seconds(final, dims, report.split)
+        print(f"  final profiles on the split it ran: compute {'/'.join(f'{c:.2f}' for c in compute)} s, idle {idle:.1%}")
         for label, profiles in (("moves", final),
                                 ("no moves", [p.model_copy(update={"vocab_weight_grad_fraction": 0.0}) for p in final])):
             plan = plan_partition(profiles, dims, args.batch_size, args.seq_len)
