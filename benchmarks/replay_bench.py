@@ -4,12 +4,13 @@ For each round in the JSON of `xronos bench --json` (its `round_reports`): each 
 collective cost (what decides who takes part), the predicted step with every device and with the
 last one (listed last in `--speeds`: the slowest in the README's benches) left out, and, on the profiles as the round's re-plan checks left them (replayed through
 `replan` along the splits the round really ran), the split it ended on as those profiles predict it
-(each device's compute and the idle they leave: what the plan chose, beside what was measured), and
+(each device's compute and the idle they leave: what the plan chose, beside what was measured),
 the best plan with and without the LM head's weight-gradient products moved
-(`vocab_weight_grad_fraction` set to 0). Pure arithmetic on the
-recorded profiles and measurements: it runs nothing. Not a test: numbers, to be quoted.
+(`vocab_weight_grad_fraction` set to 0), and with `--attention`, the best split beside each given
+attention layout (whole KV groups per device, rank order) with its step and idle. Pure arithmetic on
+the recorded profiles and measurements: it runs nothing. Not a test: numbers, to be quoted.
 
-    python benchmarks/replay_bench.py strong.json --model M
+    python benchmarks/replay_bench.py strong.json --model M --attention 3/0/0,2/1/0
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from controller.partitioner import (MeasuredCompute, _solve_members, collective_seconds, device_compute, plan_partition,
-                                    replan, split_step_seconds)
+from controller.partitioner import (MeasuredCompute, _solve_members, best_split_with_attention, collective_seconds,
+                                    device_compute, plan_partition, replan, split_step_seconds)
 from edge_node.model_io import load_config
 from xronos.profiles import DeviceProfile
-from xronos.report import RunReport, idle_seconds
-from xronos.splits import ModelDims
+from xronos.report import RunReport, mean_idle_ratio
+from xronos.splits import ModelDims, ShardSplit
 
 
 def final_profiles(report: RunReport, dims: ModelDims, micro_batch: int, seq_len: int) -> list[DeviceProfile]:
@@ -38,12 +39,29 @@ def final_profiles(report: RunReport, dims: ModelDims, micro_batch: int, seq_len
     return profiles
 
 
+def predicted(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit) -> str:
+    """Each device's compute, the step and the idle that `profiles` predict for `split`."""
+    compute = [device_compute(p, dims, *share) for p, share in zip(profiles, split.shares())]
+    step = split_step_seconds(profiles, dims, split)
+    return f"compute {'/'.join(f'{c:.2f}' for c in compute)} s, step {step:.3f} s, idle {mean_idle_ratio(compute, step):.1%}"
+
+
+def layouts(text: str) -> list[list[int]]:
+    """'3/0/0,2/1/0' -> [[3, 0, 0], [2, 1, 0]]."""
+    try:
+        return [[int(k) for k in item.split("/")] for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --attention {text!r}: use KV groups per device, e.g. 3/0/0,2/1/0") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bench_json")
     parser.add_argument("--model", required=True, help="the model directory the bench trained")
     parser.add_argument("--batch-size", type=int, default=4, help="rows per micro-step of the bench")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--attention", type=layouts, help="attention layouts to price on each round's final profiles, "
+                        "e.g. 3/0/0,2/1/0 (rounds with another number of devices skip them)")
     args = parser.parse_args()
     dims = ModelDims.from_config(load_config(args.model))
     data = json.loads(open(args.bench_json).read())
@@ -56,9 +74,11 @@ def main() -> None:
         print(f"round {k + 1}: ran {report.split.describe()}, idle {report.idle_ratio:.1%}; collective ms/step {coll}; "
               f"predicted step, all devices {all_in:.3f} s, the last left out {without:.3f} s")
         final = final_profiles(report, dims, args.batch_size, args.seq_len)
-        compute = [device_compute(p, dims, *share) for p, share in zip(final, report.split.shares())]
-        idle = sum(idle_seconds(compute)) / len(compute) / split_step_seconds(final, dims, report.split)
-        print(f"  final profiles on the split it ran: compute {'/'.join(f'{c:.2f}' for c in compute)} s, idle {idle:.1%}")
+        print(f"  final profiles on the split it ran: {predicted(final, dims, report.split)}")
+        for layout in args.attention or []:
+            if len(layout) == len(final):
+                split = best_split_with_attention(final, dims, layout)
+                print(f"  final profiles, kv {'/'.join(map(str, layout))} fixed: {split.describe()}  {predicted(final, dims, split)}")
         for label, profiles in (("moves", final),
                                 ("no moves", [p.model_copy(update={"vocab_weight_grad_fraction": 0.0}) for p in final])):
             plan = plan_partition(profiles, dims, args.batch_size, args.seq_len)

@@ -72,7 +72,7 @@ from xronos.errors import XronosError
 from xronos.profiles import (COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile, Segment,
                              attention_backward_seconds, attention_kept, attention_weight_grad_seconds, unit_costs,
                              vocab_weight_grad_seconds, weight_grad_seconds)
-from xronos.report import idle_seconds
+from xronos.report import idle_seconds, mean_idle_ratio
 from xronos.splits import ModelDims, ShardSplit
 
 BYTES_PER_PARAM = 16
@@ -504,6 +504,22 @@ def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], block
     return best
 
 
+def beside_attention(profiles: list[DeviceProfile], dims: ModelDims, units: list[float]):
+    """Given each device's attention units (KV groups, a fraction where rows share one): the best MLP
+    and vocabulary beside it (`_attention_then_mlp`, then `_vocab_beside`). Returns (the step's
+    compute seconds, collectives apart; MLP blocks, vocabulary blocks, Later)."""
+    seconds, m, later, rooms = _attention_then_mlp(profiles, units, _units(dims)[1])
+    tv, v, later = _vocab_beside(profiles, dims, rooms, later)
+    return dims.num_layers * seconds + tv, m, v, later
+
+
+def best_split_with_attention(profiles: list[DeviceProfile], dims: ModelDims, kv_groups: list[int]) -> ShardSplit:
+    """The best split for these devices (rank order) whose attention is `kv_groups` whole KV groups
+    each: what the plan would pick beside a layout it did not choose (to price that layout)."""
+    _, m, v, later = beside_attention(profiles, dims, kv_groups)
+    return _to_split(dims, kv_groups, m, v, later)
+
+
 def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False):
     """The best split among exactly `members` (no memory limits), for micro-batches of `rows` rows:
     the vocabulary segment water-filled, the attention laid out by `attention_layout` (or
@@ -528,19 +544,17 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
         return L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v, moves
     whole, g_kept = None, water_fill(kept, G)[1]
     for groups in [g] + ([g_kept] if g_kept != g else []):
-        seconds, m, later, rooms = _attention_then_mlp(part, groups, MB)
-        tv, v, later = _vocab_beside(part, dims, rooms, later)
-        if whole is None or L * seconds + tv + coll < whole[0] - 1e-12:
-            whole = (L * seconds + tv + coll, coll, [(k, None) for k in groups], m, v, later)
+        compute, m, v, later = beside_attention(part, dims, groups)
+        if whole is None or compute + coll < whole[0] - 1e-12:
+            whole = (compute + coll, coll, [(k, None) for k in groups], m, v, later)
     if rows == 1 or len(members) == 1:
         return whole
     share = max(shared_grad_seconds(p, dims, 1) for p in part)
     _, layout = attention_layout(list(attn), G, rows, L, share, bound=ta)
     units = [k if r is None else (r[1] - r[0]) / rows for k, r in layout]
     shared = sum(1 for _, r in layout if r is not None and r[0] == 0)
-    seconds, m_rows, later_rows, rooms = _attention_then_mlp(part, units, MB)
-    tv, v, later_rows = _vocab_beside(part, dims, rooms, later_rows)
-    step = L * seconds + share * shared + tv + coll
+    compute, m_rows, v, later_rows = beside_attention(part, dims, units)
+    step = compute + share * shared + coll
     if step > whole[0] * (1 - ROW_SHARE_MIN_GAIN):
         return whole
     return step, coll, layout, m_rows, v, later_rows
@@ -665,10 +679,11 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None)
                                   memory_bytes=int(memory)))
     step = split_step_seconds([profiles[i] for i in members], dims, split)
     coll = coll if len(members) > 1 else 0.0
-    idle = idle_seconds([d.compute_seconds for d in devices if d.rank is not None])  # rank order = device order
+    compute = [d.compute_seconds for d in devices if d.rank is not None]  # rank order = device order
+    idle = idle_seconds(compute)
     devices = [d if d.rank is None else d.model_copy(update={"idle_seconds": idle[d.rank]}) for d in devices]
     return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step,
-                predicted_idle_ratio=sum(idle) / len(idle) / step if step > 0 else 0.0)
+                predicted_idle_ratio=mean_idle_ratio(compute, step))
 
 
 def recalibrate(profile: DeviceProfile, factor: float, per_segment: dict[str, float] | None = None) -> DeviceProfile:

@@ -45,9 +45,9 @@ def sources(old: list[Slice]) -> list[tuple[int, int]]:
 
 def moves(old: list[Slice], new: list[Slice]) -> list[Move]:
     """Every (source, destination) overlap of the old slices' sources and the new slices, rank order."""
-    out = []
+    out, held = [], sources(old)
     for dst, want in enumerate(new):
-        for src, (lo, hi) in enumerate(sources(old)):
+        for src, (lo, hi) in enumerate(held):
             start, stop = max(lo, want.start), min(hi, want.stop)
             if start < stop:
                 out.append(Move(src, dst, start, stop))

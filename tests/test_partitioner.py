@@ -356,6 +356,26 @@ def test_replans_calibrate_attention_and_mlp_apart():
     assert final[True] <= best / (1 - MIN_REPLAN_GAIN) and final[False] > best / (1 - MIN_REPLAN_GAIN)
 
 
+def test_the_best_split_beside_a_fixed_attention_is_the_plans_beside_its_own():
+    """`best_split_with_attention` prices a layout the plan did not choose (benchmarks/replay_bench.py):
+    beside the plan's own whole-group attention it gives the plan's split, and beside any layout it
+    keeps that layout."""
+    from controller.partitioner import best_split_with_attention
+
+    same = 0
+    for seed in range(20):
+        rng = random.Random(300 + seed)
+        profiles = [later_profile(profile(i, rng, slow=s), rng) for i, s in enumerate((1, 2, 3))]
+        plan = plan_partition(profiles, DIMS3, 1, 8)
+        members = [p for p, d in zip(profiles, plan.devices) if d.rank is not None]
+        if plan.split.kv_rows is None:
+            assert best_split_with_attention(members, DIMS3, plan.split.kv_groups) == plan.split
+            same += 1
+        for layout in compositions(DIMS3.num_kv_heads, len(members)):
+            assert best_split_with_attention(members, DIMS3, layout).kv_groups == layout
+    assert same >= 10
+
+
 def later_profile(p, rng):
     """`p` with measured weight-gradient and attention-backward parts (as the profiler gives them)."""
     return p.model_copy(update={"mlp_weight_grad_fraction": rng.uniform(0.2, 0.45),

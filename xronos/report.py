@@ -172,6 +172,12 @@ def idle_seconds(compute: list[float]) -> list[float]:
     return [slowest - c for c in compute]
 
 
+def mean_idle_ratio(compute: list[float], step: float) -> float:
+    """The devices' mean idle over one step of `step` seconds, from each device's compute in it
+    (a plan's prediction: a run's measured idle ratio is taken step by step)."""
+    return sum(idle_seconds(compute)) / len(compute) / step if step > 0 and compute else 0.0
+
+
 def segment_wait_seconds(segments: list[tuple[float, ...]]) -> list[float]:
     """Each device's wait at the segments' ends in one step, from every device's compute per segment."""
     slowest = [max(column) for column in zip(*segments)]
