@@ -45,13 +45,14 @@ Exact by construction: for a given set of participants the segments are
 independent, and each is an integer min-max allocation that greedy
 water-filling solves exactly; the participant sets worth trying are the
 "closed" ones (see `_closed_sets`). With weight gradients that may come later
-the MLP segment depends on the attention split: the attention is split first
-(min-max, exact, with or without every device's attention products deferred,
-whichever plans shorter) and the deferrals and the MLP are then exact beside it,
-with moves only into the room it leaves, and the vocabulary is exact beside both (its moves
-only into the room the MLP's leave). That is never slower than the exact plan without moves, but it
-is not the joint optimum: choosing the attention split for room, or letting
-moves lengthen the attention segment, can do better (`_solve_members`). When a water-filled split does not fit a
+the MLP segment depends on the attention split: each whole-group attention
+layout (all of them where there are few, `attention_candidates`) is priced with
+the deferrals and the MLP exact beside it, moves only into the room it leaves,
+and the vocabulary exact beside both (its moves only into the room the MLP's
+leave), and the shortest is taken. That is never slower than the exact plan without moves; letting
+moves lengthen the attention segment could still do better (`_solve_members`).
+Of the layouts within IDLE_TOLERANCE of the shortest, the plan takes the least idle one (with
+tolerance 0: the shortest, what the brute-force tests check). When a water-filled split does not fit a
 device's memory, that set is solved with its memory limits as a
 mixed-integer program by HiGHS (`scipy.optimize.milp`). Brute-force tests
 check optimality on small cases.
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import time
 from typing import NamedTuple
 
@@ -71,6 +73,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from xronos.errors import XronosError
 from xronos.profiles import (COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile, Segment,
                              attention_backward_seconds, attention_kept, attention_weight_grad_seconds, unit_costs,
+                             weight_grad_costs,
                              vocab_weight_grad_seconds, weight_grad_seconds)
 from xronos.report import idle_seconds, mean_idle_ratio
 from xronos.splits import ModelDims, ShardSplit
@@ -410,19 +413,24 @@ class MlpCost(NamedTuple):
     they fit in `room`, the span of the slowest attention backward less the device's own (so the
     attention segment never grows). `extra`: the attention weight-gradient products it takes in
     from the layer above. Never decreases in units (the saving is lost at a jump up), so
-    water-filling with it stays exact."""
+    water-filling with it stays exact. (The profile's costs are taken once: water-filling asks often.)"""
 
-    profile: DeviceProfile
+    mlp: Segment
+    weight_grads: Segment
     room: float
     extra: float = 0.0
 
+    @classmethod
+    def of(cls, p: DeviceProfile, room: float, extra: float = 0.0) -> "MlpCost":
+        return cls(unit_costs(p)[1], weight_grad_costs(p)[0], room, extra)
+
     def moved(self, units: float) -> float:
         """Seconds moved out of the segment with `units` blocks (0: they do not fit, or there are none)."""
-        seconds = weight_grad_seconds(self.profile, units)
+        seconds = self.weight_grads.seconds(units)
         return seconds if 0 < seconds <= self.room else 0.0
 
     def seconds(self, units: float) -> float:
-        return unit_costs(self.profile)[1].seconds(units) - self.moved(units) + self.extra
+        return self.mlp.seconds(units) - self.moved(units) + self.extra
 
 
 def _mlp_costs(profiles: list[DeviceProfile], attention_units: list[float] | None,
@@ -430,12 +438,12 @@ def _mlp_costs(profiles: list[DeviceProfile], attention_units: list[float] | Non
     """Each device's MLP cost beside these attention shares, of which each device defers `deferred`
     seconds of weight-gradient products to its MLP segment (None: room without limit, a lower bound)."""
     if attention_units is None:
-        return [MlpCost(p, float("inf")) for p in profiles]
+        return [MlpCost.of(p, float("inf")) for p in profiles]
     deferred = deferred or [0.0] * len(profiles)
     backs = [attention_backward_seconds(p, a) - d for p, a, d in zip(profiles, attention_units, deferred)]
     # a device defers one of the two at most: its attention's products to the MLP segment, or its
     # MLP's to the attention's (a deferring device gets no room)
-    return [MlpCost(p, 0.0 if d > 0 else max(backs) - b, d) for p, b, d in zip(profiles, backs, deferred)]
+    return [MlpCost.of(p, 0.0 if d > 0 else max(backs) - b, d) for p, b, d in zip(profiles, backs, deferred)]
 
 
 def _mlp_split(costs: list[MlpCost], blocks: int) -> tuple[float, list[int], list[bool]]:
@@ -450,14 +458,19 @@ class VocabCost(NamedTuple):
     its MLP's moves (so no span grows). Never decreases in units (a block still costs its seconds
     less its products), so water-filling with it stays exact."""
 
-    profile: DeviceProfile
+    vocab: Segment
+    weight_grads: Segment
     cap: int
+
+    @classmethod
+    def of(cls, p: DeviceProfile, cap: int) -> "VocabCost":
+        return cls(unit_costs(p)[2], weight_grad_costs(p)[1], cap)
 
     def later(self, units: float) -> int:
         return min(int(units), self.cap)
 
     def seconds(self, units: float) -> float:
-        return unit_costs(self.profile)[2].seconds(units) - vocab_weight_grad_seconds(self.profile, self.later(units))
+        return self.vocab.seconds(units) - self.weight_grads.seconds(self.later(units))
 
 
 def _vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, rooms: list[float] | None, later: Later):
@@ -472,7 +485,7 @@ def _vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, rooms: list[fl
             fits = blocks
         else:
             fits = min(blocks, int(dims.num_layers * rooms[i] / per_block * (1 + 1e-12))) if per_block > 0 and rooms[i] > 0 else 0
-        costs.append(VocabCost(p, fits))
+        costs.append(VocabCost.of(p, fits))
     tv, v = water_fill(costs, blocks)
     taken = [c.later(u) for c, u in zip(costs, v)]
     return tv, v, later._replace(vocab=taken if any(taken) else None)
@@ -520,13 +533,86 @@ def best_split_with_attention(profiles: list[DeviceProfile], dims: ModelDims, kv
     return _to_split(dims, kv_groups, m, v, later)
 
 
-def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False):
+IDLE_TOLERANCE = 0.02
+"""Whole-group attention layouts whose best splits predict steps within this of the shortest are
+equally short as far as the profiles can tell; of those the plan takes the one whose devices finish
+closest together (least predicted idle). Fixed splits run alternately on the strong bench measured
+a layout the profiles priced 3% slower as fast (1.42-1.46 s against 1.43-1.46 s), and the shortest
+layout there, kv 3/0/0, leaves the two slower devices idle through its attention's forward half
+(~6% predicted). Against the exact shortest, twelve bench rounds a side (arms alternated), mean
+idle went 6.5% -> 4.7% on strong (steps 1.6% longer) and 4.2% -> 2.3% on mild (steps equal).
+0: the exact shortest (what the brute-force tests check)."""
+MAX_LAYOUTS = 64
+"""Whole-group layouts priced per participant set at most (see `attention_candidates`): every layout
+of 3 KV groups over 3 devices (10) or of 8 over 3 (45); 3 partitions of 3 groups over tens of
+devices, 22 of 8. Models with many KV heads (multi-head attention) over many devices have more,
+and there whole groups divide at the devices' speeds almost exactly anyway."""
+
+
+def attention_candidates(costs: list[Segment], groups: int, first: list[list[int]]) -> list[list[int]]:
+    """Whole-group attention layouts worth pricing: `first` (the min-max ones), then every layout of
+    `groups` over the devices when there are at most MAX_LAYOUTS (so the plan's is the best of them
+    all), else each partition of `groups` into at most one part per device, the larger parts to the
+    devices faster at one group, when there are at most MAX_LAYOUTS of those, else none."""
+    n = len(costs)
+
+    def compositions(total: int, parts: int):
+        if parts == 1:
+            yield [total]
+            return
+        for k in range(total, -1, -1):
+            for rest in compositions(total - k, parts - 1):
+                yield [k, *rest]
+
+    def partitions(total: int, most: int, parts: int):
+        if total == 0:
+            yield [0] * parts
+            return
+        for k in range(min(total, most), 0, -1) if parts else ():
+            for rest in partitions(total - k, k, parts - 1):
+                yield [k, *rest]
+
+    def speed_ordered(parts: list[int]) -> list[int]:
+        layout = [0] * n
+        for i, k in zip(sorted(range(n), key=lambda i: (costs[i].seconds(1), i)), parts):
+            layout[i] = k
+        return layout
+
+    found = [list(g) for g in first]
+    for source in (compositions(groups, n), map(speed_ordered, partitions(groups, groups, n))):
+        more = list(itertools.islice(source, MAX_LAYOUTS + 1))
+        if len(more) <= MAX_LAYOUTS:
+            return found + [g for g in more if g not in found]
+    return found
+
+
+def least_idle(profiles: list[DeviceProfile], dims: ModelDims, options: list[tuple], tolerance: float) -> tuple:
+    """Of (step, attention units, MLP blocks, vocabulary blocks, Later) options for the same devices:
+    the one with the least predicted idle among those within `tolerance` of the shortest step
+    (IDLE_TOLERANCE), the shorter on a tie, the earlier on a tie of both."""
+    shortest = min(o[0] for o in options)
+    near = [o for o in options if o[0] <= shortest * (1 + tolerance) + 1e-12]
+    if len(near) == 1:
+        return near[0]
+
+    def idle(option) -> float:
+        step, g, m, v, later = option
+        compute = [device_compute(p, dims, *share) for p, share in zip(profiles, _to_split(dims, g, m, v, later).shares())]
+        return mean_idle_ratio(compute, step)
+
+    return min(near, key=lambda o: (round(idle(o), 9), o[0]))
+
+
+def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False,
+                   tolerance: float = 0.0):
     """The best split among exactly `members` (no memory limits), for micro-batches of `rows` rows:
     the vocabulary segment water-filled, the attention laid out by `attention_layout` (or
     water-filled in whole groups, and then only a lower bound when `rows` > 1), and the MLP
     water-filled beside that attention (its weight gradients may go where the attention leaves room).
-    The attention's own split is the min-max one, or the min-max one of what is left when every
-    device defers its attention's weight gradients, whichever makes the shorter step.
+    The attention's own split is the min-max one, the min-max one of what is left when every
+    device defers its attention's weight gradients, or another partition of the groups
+    (`attention_candidates`): the one that makes the shortest step or, with `tolerance`, the least
+    idle one within it of the shortest (`least_idle`).
     Returns (step, collectives, attention shares, MLP blocks, vocabulary blocks, Later)."""
     G, MB, VB = _units(dims)
     part = [profiles[i] for i in members]
@@ -535,18 +621,26 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     coll = max(collective_seconds(p, dims) for p in part) if len(members) > 1 else 0.0
     L = dims.num_layers
     kept = [attention_kept(p) for p in part]
+    # no MLP or vocabulary is shorter than with all its weight gradients moved and none taken in
+    tm, m, later = _mlp_split(_mlp_costs(part, None), MB)
+    tv, v, moves = _vocab_beside(part, dims, None, Later(later, [False] * len(part)))
     if whole_groups and rows > 1 and len(members) > 1:
-        # row shares can only go as low as the fractional water level of the attention that no
-        # deferral removes, and no MLP or vocabulary lower than with all its weight gradients moved
-        # and none taken in
-        tm, m, later = _mlp_split(_mlp_costs(part, None), MB)
-        tv, v, moves = _vocab_beside(part, dims, None, Later(later, [False] * len(part)))
+        # and row shares can only go as low as the fractional water level of the attention that no
+        # deferral removes
         return L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v, moves
-    whole, g_kept = None, water_fill(kept, G)[1]
-    for groups in [g] + ([g_kept] if g_kept != g else []):
+    g_kept = water_fill(kept, G)[1]
+    options = []
+    for groups in attention_candidates(attn, G, [g] + ([g_kept] if g_kept != g else [])):
+        # nor any attention segment than its slowest device's with its products deferred: a layout
+        # that cannot come within the tolerance of the shortest so far is not priced
+        bound = L * (max(k.seconds(u) for k, u in zip(kept, groups)) + tm) + tv + coll
+        if options and bound > min(o[0] for o in options) * (1 + tolerance) + 1e-12:
+            continue
         compute, m, v, later = beside_attention(part, dims, groups)
-        if whole is None or compute + coll < whole[0] - 1e-12:
-            whole = (compute + coll, coll, [(k, None) for k in groups], m, v, later)
+        options.append((compute + coll, groups, m, v, later))
+    shortest = min(o[0] for o in options)
+    step, groups, m, v, later = least_idle(part, dims, options, tolerance)
+    whole = (step, coll, [(k, None) for k in groups], m, v, later)
     if rows == 1 or len(members) == 1:
         return whole
     share = max(shared_grad_seconds(p, dims, 1) for p in part)
@@ -555,7 +649,7 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     shared = sum(1 for _, r in layout if r is not None and r[0] == 0)
     compute, m_rows, v, later_rows = beside_attention(part, dims, units)
     step = compute + share * shared + coll
-    if step > whole[0] * (1 - ROW_SHARE_MIN_GAIN):
+    if step > shortest * (1 - ROW_SHARE_MIN_GAIN):
         return whole
     return step, coll, layout, m_rows, v, later_rows
 
@@ -607,8 +701,10 @@ def _fits(profiles, dims, micro_batch, seq_len, members, g, m, v) -> bool:
                for k, i in enumerate(members))
 
 
-def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: int, seq_len: int) -> Plan:
-    """The exact min-step plan over all devices (some may be left out, with a reason).
+def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: int, seq_len: int,
+                   tolerance: float = IDLE_TOLERANCE) -> Plan:
+    """The exact min-step plan over all devices (some may be left out, with a reason), or with
+    `tolerance` its least idle attention layout within that of the shortest (`least_idle`).
 
     Each candidate participant set is solved exactly by water-filling each segment; when
     that split does not fit some device's memory, the set is solved by HiGHS with the
@@ -627,7 +723,7 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     for lower, members in bounds:
         if best is not None and lower >= best[0] - 1e-12:
             break
-        step, coll, g, m, v, later = _solve_members(profiles, dims, members, micro_batch)
+        step, coll, g, m, v, later = _solve_members(profiles, dims, members, micro_batch, tolerance=tolerance)
         if best is not None and step >= best[0] - 1e-12:
             continue
         if not _fits(profiles, dims, micro_batch, seq_len, members, g, m, v):
@@ -797,11 +893,13 @@ class Replan(NamedTuple):
 
 
 def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[MeasuredCompute],
-           micro_batch: int, seq_len: int, min_gain: float = MIN_REPLAN_GAIN) -> Replan:
+           micro_batch: int, seq_len: int, min_gain: float = MIN_REPLAN_GAIN,
+           tolerance: float = IDLE_TOLERANCE) -> Replan:
     """A new split for the same ranks from measured compute seconds per micro-step (rank order),
     the profiles recalibrated towards the measurement (the next re-plan starts from them,
     so repeated re-plans converge on the measured pace), and what `profiles` predicted.
-    The split moves only for a predicted gain of at least `min_gain`.
+    The split moves only for a predicted gain of at least `min_gain` (the split it would move to: with
+    `tolerance`, the least idle layout within it of the shortest, `least_idle`).
 
     The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
     """
@@ -811,7 +909,7 @@ def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, me
     calibrated = [recalibrate(p, f ** RECALIBRATION_STEP, {dim: x ** RECALIBRATION_STEP for dim, x in own.items()})
                   for p, (f, own) in zip(profiles, calibration_factors(profiles, dims, split, measured))]
     members = list(range(len(profiles)))
-    step, coll, g, m, v, later = _solve_members(calibrated, dims, members, micro_batch)
+    step, coll, g, m, v, later = _solve_members(calibrated, dims, members, micro_batch, tolerance=tolerance)
     if not _fits(calibrated, dims, micro_batch, seq_len, members, g, m, v):
         solved = _solve_with_memory(calibrated, dims, micro_batch, seq_len, members)
         if solved is None:

@@ -76,7 +76,7 @@ def test_optimal_against_brute_force(seed):
     if seed == 4:  # one device can hold almost nothing
         profiles[0] = profiles[0].model_copy(update={"memory_bytes": int(unit_bytes(DIMS, 2, 8)[0] + 3e3)})
     optimum = brute_force(profiles)
-    plan = plan_partition(profiles, DIMS, 2, 8)
+    plan = plan_partition(profiles, DIMS, 2, 8, tolerance=0)
     assert plan.predicted_step_seconds == pytest.approx(optimum, rel=1e-9)
     assert sum(plan.split.kv_groups) == 2 and sum(plan.split.mlp_columns) == 16
 
@@ -131,7 +131,7 @@ def test_row_shared_attention_against_brute_force():
         base = base.model_copy(update={"kv_fixed_seconds": 0.0}) if seed % 2 else base
         factors = [1, rng.uniform(1.5, 2.5), rng.uniform(3, 5)][: 2 if seed % 4 == 0 else 3]
         profiles = [recalibrate(base, f).model_copy(update={"device": f"d{i}"}) for i, f in enumerate(factors)]
-        plan = plan_partition(profiles, DIMS3, 3, 8)
+        plan = plan_partition(profiles, DIMS3, 3, 8, tolerance=0)
         assert plan.predicted_step_seconds == pytest.approx(brute_force_rows(profiles, 3), rel=1e-9), seed
         used += plan.split.kv_rows is not None
     assert used >= 4
@@ -215,7 +215,7 @@ def test_a_small_share_pays_its_fixed_cost():
     assert 0 < linear.split.mlp_columns[1] < linear.split.mlp_columns[0]
     whole = 16 * fast.mlp_block_seconds  # the fast device's whole MLP segment, above its floor
     fixed = slow.model_copy(update={"mlp_fixed_seconds": whole})
-    plan = plan_partition([fast, fixed], DIMS, 2, 8)
+    plan = plan_partition([fast, fixed], DIMS, 2, 8, tolerance=0)
     assert plan.split.mlp_columns == [16, 0]
     assert plan.predicted_step_seconds == pytest.approx(brute_force([fast, fixed]), rel=1e-9)
     assert plan.devices[1].compute_seconds == pytest.approx(  # its own segments, no MLP fixed cost
@@ -259,6 +259,13 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 0
     listed = capsys.readouterr().out
     assert "predicted step" in listed and "predicted idle" in listed
+    assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied")), "--json",
+                 "--idle-tolerance", "0"]) == 0
+    exact = plan_partition(profiles, dims, SHAPE.micro_batch, SHAPE.seq_len, tolerance=0)
+    assert json.loads(capsys.readouterr().out)["predicted_step_seconds"] == pytest.approx(exact.predicted_step_seconds)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied")), "--idle-tolerance", "1.5"])
+    assert exit_info.value.code == 2 and "expected a fraction" in capsys.readouterr().err
     singles = [tmp_path / f"p{i}.json" for i in range(3)]  # one profile per file, as the cache keeps them
     for file, p in zip(singles, profiles):
         file.write_text(p.model_dump_json())
@@ -376,6 +383,39 @@ def test_the_best_split_beside_a_fixed_attention_is_the_plans_beside_its_own():
     assert same >= 10
 
 
+def test_the_plan_takes_the_best_whole_group_layout_and_the_least_idle_near_it():
+    """With weight gradients that may come later (so the attention split and the MLP's depend on each
+    other), the exact plan (tolerance 0) is at least as short as the best split beside every
+    whole-group layout, not only beside the min-max ones (on these profiles 38 of 300 plans missed a
+    shorter layout, by up to 14%, when only those two were priced). With IDLE_TOLERANCE the plan
+    may take a layout up to that much longer, and then only one that idles less."""
+    from controller.partitioner import IDLE_TOLERANCE, best_split_with_attention
+
+    changed = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        profiles = [later_profile(profile(i, rng, slow=s), rng) for i, s in enumerate((1, 2, 3))]
+        exact = plan_partition(profiles, DIMS3, 1, 8, tolerance=0)
+        members = [p for p, d in zip(profiles, exact.devices) if d.rank is not None]
+        assert exact.predicted_step_seconds <= min(
+            split_step_seconds(members, DIMS3, best_split_with_attention(members, DIMS3, layout))
+            for layout in compositions(DIMS3.num_kv_heads, len(members))) * (1 + 1e-12), seed
+        near = plan_partition(profiles, DIMS3, 1, 8)
+        assert near.predicted_step_seconds <= exact.predicted_step_seconds * (1 + IDLE_TOLERANCE) + 1e-12
+        if near.split != exact.split:
+            changed += 1
+            assert near.predicted_idle_ratio < exact.predicted_idle_ratio, seed
+    assert changed >= 4  # the tie-break is exercised, not skipped
+    # the mild bench's speeds, every product movable: the shortest layout gives the 0.43 device no
+    # attention and leaves it idle through every attention segment; one group each is 0.3% longer
+    profiles = speed_profiles((0.65, 0.52, 0.43), attention_backward_fraction=0.65, mlp_weight_grad_fraction=0.3,
+                              attention_weight_grad_fraction=0.25, vocab_weight_grad_fraction=0.3)
+    exact, near = plan_partition(profiles, DIMS3, 1, 8, tolerance=0), plan_partition(profiles, DIMS3, 1, 8)
+    assert exact.split.kv_groups == [2, 1, 0] and near.split.kv_groups == [1, 1, 1]
+    assert exact.predicted_step_seconds < near.predicted_step_seconds < exact.predicted_step_seconds * 1.01
+    assert near.predicted_idle_ratio < 0.2 * exact.predicted_idle_ratio
+
+
 def later_profile(p, rng):
     """`p` with measured weight-gradient and attention-backward parts (as the profiler gives them)."""
     return p.model_copy(update={"mlp_weight_grad_fraction": rng.uniform(0.2, 0.45),
@@ -391,7 +431,7 @@ def test_weight_grads_later_fill_the_room_the_attention_leaves(seed):
     MLP's products, or neither) whose MLP moves fit the room the attention backward leaves."""
     rng = random.Random(100 + seed)
     profiles = [later_profile(profile(i, rng, slow=s), rng) for i, s in enumerate((1, 2, 4))]
-    plan = plan_partition(profiles, DIMS3, 1, 8)
+    plan = plan_partition(profiles, DIMS3, 1, 8, tolerance=0)
     split = plan.split
     members = [p for p, d in zip(profiles, plan.devices) if d.rank is not None]
     without = brute_force_rows([p.model_copy(update={"mlp_weight_grad_fraction": 0.0,

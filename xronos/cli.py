@@ -33,6 +33,16 @@ def _positive_ints(text: str) -> list[int]:
     return numbers
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 up to 1, got {text!r}")
+    return value
+
+
 SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows", "layers": "layers"}
 
 
@@ -175,7 +185,8 @@ def cmd_plan(args) -> int:
         dims.hidden_size, dims.head_dim, dims.mlp_block, dims.vocab_block
     ):
         raise XronosError("the profiles were measured for another model shape than --model")
-    plan = plan_partition(profiles, dims, shape.micro_batch, shape.seq_len)
+    plan = plan_partition(profiles, dims, shape.micro_batch, shape.seq_len,
+                          **({} if args.idle_tolerance is None else {"tolerance": args.idle_tolerance}))
     if args.json:
         print(plan.model_dump_json(indent=2))
     else:
@@ -363,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "or the JSON of a xronos run (--report) or bench (--json): the profiles it planned with")
     plan.add_argument("--model", required=True, help="the model directory the job will train")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--idle-tolerance", type=_fraction, default=None, metavar="FRACTION",
+                      help="take the least idle attention layout whose step is within this of the shortest "
+                           "(default: the job's, controller.partitioner.IDLE_TOLERANCE; 0: the shortest)")
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="the modes side by side on one emulated cluster (table, chart, perplexity)")

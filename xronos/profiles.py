@@ -111,18 +111,24 @@ def unit_costs(p: DeviceProfile) -> tuple[Segment, Segment, Segment]:
     )
 
 
+def weight_grad_costs(p: DeviceProfile) -> tuple[Segment, Segment]:
+    """(MLP per layer, vocabulary per step): the weight-gradient products of a share, in MLP and
+    vocabulary blocks, as a Segment with no floor (a rank holding none computes none)."""
+    mlp, f = unit_costs(p)[1], p.mlp_weight_grad_fraction
+    return Segment(0.0, f * mlp.fixed, f * mlp.per_unit), Segment(0.0, 0.0, p.vocab_weight_grad_fraction * p.vocab_block_seconds)
+
+
 def weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:
     """Per layer, the weight-gradient products of `blocks` MLP column blocks: what a rank whose
     weight gradients come later (`edge_node.tp.weight_grads`) moves out of its MLP segment."""
-    mlp = unit_costs(p)[1]
-    return p.mlp_weight_grad_fraction * (mlp.seconds(blocks) - mlp.floor)
+    return weight_grad_costs(p)[0].seconds(blocks)
 
 
 def vocab_weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:
     """Per micro-step, the LM head weight-gradient products of `blocks` vocabulary blocks: what a rank
     moves out of its vocabulary segment by computing them later (`edge_node.tp.weight_grads`). A product
     scales with its rows alone, so it is priced per block: the fixed work of the head and loss stays."""
-    return p.vocab_weight_grad_fraction * blocks * p.vocab_block_seconds
+    return weight_grad_costs(p)[1].seconds(blocks)
 
 
 def attention_kept(p: DeviceProfile) -> Segment:
