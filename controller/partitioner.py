@@ -568,7 +568,9 @@ def attention_candidates(costs: list[Segment], groups: int, first: list[list[int
         if total == 0:
             yield [0] * parts
             return
-        for k in range(min(total, most), 0, -1) if parts else ():
+        if parts == 0:
+            return
+        for k in range(min(total, most), 0, -1):
             for rest in partitions(total - k, k, parts - 1):
                 yield [k, *rest]
 
@@ -622,18 +624,18 @@ def _solve_members(profiles, dims, members: list[int], rows: int = 1, whole_grou
     L = dims.num_layers
     kept = [attention_kept(p) for p in part]
     # no MLP or vocabulary is shorter than with all its weight gradients moved and none taken in
-    tm, m, later = _mlp_split(_mlp_costs(part, None), MB)
-    tv, v, moves = _vocab_beside(part, dims, None, Later(later, [False] * len(part)))
+    tm_least, m, mlp_later = _mlp_split(_mlp_costs(part, None), MB)
+    tv_least, v, moves = _vocab_beside(part, dims, None, Later(mlp_later, [False] * len(part)))
     if whole_groups and rows > 1 and len(members) > 1:
         # and row shares can only go as low as the fractional water level of the attention that no
         # deferral removes
-        return L * (_fractional_level(kept, G) + tm) + tv + coll, coll, [(k, None) for k in g], m, v, moves
+        return L * (_fractional_level(kept, G) + tm_least) + tv_least + coll, coll, [(k, None) for k in g], m, v, moves
     g_kept = water_fill(kept, G)[1]
     options = []
     for groups in attention_candidates(attn, G, [g] + ([g_kept] if g_kept != g else [])):
         # nor any attention segment than its slowest device's with its products deferred: a layout
         # that cannot come within the tolerance of the shortest so far is not priced
-        bound = L * (max(k.seconds(u) for k, u in zip(kept, groups)) + tm) + tv + coll
+        bound = L * (max(k.seconds(u) for k, u in zip(kept, groups)) + tm_least) + tv_least + coll
         if options and bound > min(o[0] for o in options) * (1 + tolerance) + 1e-12:
             continue
         compute, m, v, later = beside_attention(part, dims, groups)

@@ -386,8 +386,8 @@ def test_the_best_split_beside_a_fixed_attention_is_the_plans_beside_its_own():
 def test_the_plan_takes_the_best_whole_group_layout_and_the_least_idle_near_it():
     """With weight gradients that may come later (so the attention split and the MLP's depend on each
     other), the exact plan (tolerance 0) is at least as short as the best split beside every
-    whole-group layout, not only beside the min-max ones (on these profiles 38 of 300 plans missed a
-    shorter layout, by up to 14%, when only those two were priced). With IDLE_TOLERANCE the plan
+    whole-group layout, not only beside the min-max ones (with only those two priced, some of these
+    plans miss a shorter layout). With IDLE_TOLERANCE the plan
     may take a layout up to that much longer, and then only one that idles less."""
     from controller.partitioner import IDLE_TOLERANCE, best_split_with_attention
 

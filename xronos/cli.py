@@ -37,8 +37,8 @@ def _fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
+        value = None
+    if value is None or not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction from 0 up to 1, got {text!r}")
     return value
 
