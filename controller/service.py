@@ -149,6 +149,8 @@ class Controller:
                 self._finish(job, "failed", reason=f"no profile from {', '.join(missing)} in {self.o.profile_timeout:g} s")
         self.metrics.nodes_online.set(self.registry.online_count)
         self.metrics.nodes_known.set(len(self.registry.nodes))
+        for node in self.registry.nodes.values():
+            self.metrics.node(node.node_id, node.online, now - node.last_seen)
         self.metrics.job_counts([j.status.state for j in self.jobs.values()] + [s.state for s in self.finished.values()])
 
     # -- node messages ---------------------------------------------------------------
@@ -175,7 +177,7 @@ class Controller:
         job = self.jobs.get(msg.job_id) if msg.job_id else None
         if job is not None and job.status.state == "running" and msg.step is not None and node_id in job.members:
             if job.status.step is None or msg.step > job.status.step:
-                self._publish_status(job, step=msg.step, loss=msg.loss)
+                self._publish_status(job, step_seconds=msg.step_seconds, step=msg.step, loss=msg.loss)
         lag = time.time() - msg.ts
         self.lags.append(lag)
         self.metrics.heartbeat_lag.observe(max(0.0, lag))
@@ -236,7 +238,7 @@ class Controller:
         status = msg.model_copy(update={"state": "failed", "reason": "the controller restarted during the job",
                                         "ts": time.time()})
         self.finished[job_id] = status
-        self._publish(status)
+        self._publish(status)  # its mode is not known here: no xronos_job_info for it
 
     def _node_lost(self, node_id: str, reason: str) -> None:
         for job in list(self.jobs.values()):
@@ -263,7 +265,7 @@ class Controller:
         if problems:
             self.bus.drop("cmd/train", f"job {cmd.job_id}: {'; '.join(problems)}")
             self.finished[cmd.job_id] = job.status.model_copy(update={"state": "failed", "reason": "; ".join(problems)})
-            self._publish(self.finished[cmd.job_id])
+            self._publish(self.finished[cmd.job_id], mode=cmd.job.mode)
             return
         self.jobs[cmd.job_id] = job
         log.info("job %s: %s on %s", cmd.job_id, cmd.job.mode, ", ".join(nodes))
@@ -307,8 +309,7 @@ class Controller:
                 world_size=job.plan.world_size, master_addr=master.profile.address or "127.0.0.1",
                 master_port=master.rendezvous_port, split=job.plan.split, stages=job.plan.stages,
                 micro_batches=job.plan.micro_batches, profiles=job.plan.profiles))
-        if job.plan.predicted_step_seconds is not None:
-            self.metrics.predicted.labels(job.id).set(job.plan.predicted_step_seconds)
+        self.metrics.planned(job.id, job.plan.predicted_step_seconds, job.members, job.plan.predicted)
         log.info("job %s planned: %s", job.id, job.plan.split.describe() if job.plan.split else job.plan.stages)
         self._publish_status(job, state="running", step=0, split=job.plan.split, stages=job.plan.stages,
                              nodes=job.members)
@@ -324,8 +325,7 @@ class Controller:
         report = report.model_copy(update={
             "nodes": [n.model_copy(update={"name": job.nodes[n.device]}) for n in report.nodes],
             "excluded": [e.model_copy(update={"name": job.nodes[e.device]}) for e in report.excluded]})
-        self.metrics.measured.labels(job.id).set(report.mean_step_seconds)
-        self.metrics.idle_ratio.labels(job.id).set(report.idle_ratio)
+        self.metrics.completed(job.id, report.mean_step_seconds, report.idle_ratio)
         self._finish(job, "completed", report=report, output=f"{job.members[0]}:{options.output}",
                      loss=report.losses[-1], step=len(report.losses))
 
@@ -342,13 +342,14 @@ class Controller:
             self.sent.add((node_id, assignment.job_id, assignment.phase, assignment.ts))
         self.bus.publish(wire.ASSIGNMENT, node_id, assignment)
 
-    def _publish_status(self, job: Job, **update) -> wire.JobStatus:
+    def _publish_status(self, job: Job, step_seconds: float | None = None, **update) -> wire.JobStatus:
         job.status = wire.JobStatus(**{**job.status.model_dump(), "ts": time.time(), **update})
-        self._publish(job.status)
+        self._publish(job.status, mode=job.command.job.mode, step_seconds=step_seconds)
         return job.status
 
-    def _publish(self, status: wire.JobStatus) -> None:
+    def _publish(self, status: wire.JobStatus, mode: str | None = None, step_seconds: float | None = None) -> None:
         self.bus.publish(wire.JOB_STATUS, status.job_id, status)
+        self.metrics.job(status, mode, step_seconds)
         if self.o.state_dir is not None and status.finished:
             path = self.o.state_dir / "jobs" / f"{status.job_id}.json"
             path.parent.mkdir(parents=True, exist_ok=True)

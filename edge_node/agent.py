@@ -23,7 +23,6 @@ counted and dropped; nothing a message says can stop the agent.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import shutil
@@ -34,8 +33,9 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from edge_node.cpu_quota import make_quota, start_under
+from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
-from edge_node.worker_process import WorkerProcess, free_port, stop_all
+from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, stop_all
 from xronos import wire
 from xronos.job import JobOptions
 from xronos.mqtt import BrokerSettings, Bus
@@ -66,9 +66,10 @@ class _Job:
         self.rank: int | None = None
         self.port: int | None = None
         self.profiled = False
-        self.progress_read = 0
+        self.progress = ProgressFile(self.file("progress.jsonl"))
         self.step: int | None = None
         self.loss: float | None = None
+        self.step_seconds: float | None = None
         self.dims = None
 
     def file(self, name: str) -> Path:
@@ -79,7 +80,7 @@ class NodeAgent:
     def __init__(self, options: NodeOptions, settings: BrokerSettings):
         self.o = options
         self.id = options.node_id
-        self.metrics = NodeMetrics(self.id)
+        self.metrics = NodeMetrics(self.id, subscribed=(wire.ASSIGNMENT.family,))
         self.bus = Bus(settings, client_id=f"xronos-node-{self.id}",
                        will=(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")),
                        on_connect=self._born, on_invalid=self.metrics.dropped)
@@ -102,7 +103,8 @@ class NodeAgent:
         job = self.job if self.job is not None and self.job.id != "startup" else None
         self.bus.publish(wire.HEARTBEAT, self.id, wire.Heartbeat(
             node_id=self.id, state=self.state, job_id=job.id if job else None,
-            step=job.step if job else None, loss=job.loss if job else None))
+            step=job.step if job else None, loss=job.loss if job else None,
+            step_seconds=job.step_seconds if job else None))
 
     # -- main loop -----------------------------------------------------------------
     def run(self) -> None:
@@ -132,6 +134,8 @@ class NodeAgent:
 
     def _beat(self) -> None:
         while not self.stopping.wait(self.o.heartbeat_seconds):
+            job = self.job
+            self.metrics.memory(job.worker.proc.pid if job is not None and job.worker is not None else None)
             if self.bus.connected.is_set():
                 self._heartbeat()
 
@@ -199,7 +203,6 @@ class NodeAgent:
         self._start_worker(job, job.job, plan=False)
 
     def _start_worker(self, job: _Job, options: JobOptions, plan: bool) -> None:
-        from edge_node.profiler import available_memory_bytes
         from edge_node.trainer import WorkerSpec
 
         if self.o.speed is not None:
@@ -233,8 +236,6 @@ class NodeAgent:
         job.worker.rank = a.rank
         self.state = "training"
         self.metrics.training.labels(self.id).set(1)
-        if a.split is not None:
-            self.metrics.shard(a.split.kv_groups[a.rank], a.split.mlp_columns[a.rank])
         log.info("job %s: rank %d of %d", a.job_id, a.rank, a.world_size)
         self._heartbeat()
 
@@ -269,19 +270,10 @@ class NodeAgent:
             self._fail(job.id, job.worker.cause())
 
     def _read_progress(self, job: _Job) -> None:
-        path = job.file("progress.jsonl")
-        if not path.is_file():
-            return
-        with path.open() as f:
-            f.seek(job.progress_read)
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                job.progress_read += len(line.encode())
-                step = json.loads(line)
-                job.step, job.loss = step["step"], step["loss"]
-                self.metrics.step(step)
-                self._heartbeat()
+        for step in job.progress.new_lines():
+            job.step, job.loss, job.step_seconds = step["step"], step["loss"], step["step_seconds"]
+            self.metrics.step(job.id, step)
+            self._heartbeat()
 
     def _fail(self, job_id: str, why: str) -> None:
         log.warning("job %s failed here: %s", job_id, why)

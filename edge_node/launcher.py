@@ -23,18 +23,21 @@ from controller.job_plan import plan_job, with_predictions
 from controller.planning import split_for_mode
 from edge_node.cpu_quota import make_quota, pack_cores, start_under
 from edge_node.data import load_rows
+from edge_node.memory import available_memory_bytes
 from edge_node.model_io import load_config
-from edge_node.profiler import available_memory_bytes
 from edge_node.trainer import WorkerSpec
-from edge_node.worker_process import WorkerProcess, free_port, stop_all
+from edge_node.metrics import NodeMetrics
+from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, stop_all
 from xronos.errors import XronosError
 from xronos.job import JobOptions
 from xronos.profiles import DeviceProfile
 from xronos.report import LocalAssignment, RankResult, RunReport, build_report
 from xronos.splits import ModelDims
 
-def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None) -> None:
+def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None, tick=None) -> None:
     """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause.
+
+    `tick()` runs on every look at the workers (the metrics read their progress there).
 
     The failed worker's log is copied to `keep_log_in` (the job's output directory): the run's
     own directory, and every log in it, is removed when the run ends.
@@ -51,12 +54,31 @@ def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None) -> None:
                     kept = shutil.copy(failed.log_file, keep_log_in / failed.log_file.name)
                     cause += f" (its log: {kept})"
                 raise XronosError(cause)
+            if tick is not None:
+                tick()
             if all(rc == 0 for rc in codes) or (until is not None and until()):
                 return
             time.sleep(0.05)
     except BaseException:
         stop_all(workers)
         raise
+
+
+class _MetricsFeed:
+    """One device's node metrics, fed from its worker's progress lines and served on `port`."""
+
+    def __init__(self, node: str, job_id: str, progress: Path, port: int):
+        self.metrics, self.job_id, self.progress = NodeMetrics(node), job_id, ProgressFile(progress)
+        try:
+            self.metrics.serve(port)
+        except OSError as err:
+            raise XronosError(f"cannot serve {node}'s metrics on port {port}: {err.strerror or err}") from None
+        print(f"metrics of {node} ({job_id}): http://127.0.0.1:{self.metrics.port}/metrics", flush=True)
+
+    def read(self, worker_pid: int) -> None:
+        self.metrics.memory(worker_pid)
+        for line in self.progress.new_lines():
+            self.metrics.step(self.job_id, line)
 
 
 def _write_json(path: Path, model) -> None:
@@ -72,11 +94,14 @@ def run_local(
     split_override: dict[str, list[int]] | None = None,
     threads: int = 1,
     show_progress: bool = True,
+    metrics_port: int | None = None,
 ) -> RunReport:
     """Run `job` on `nodes` local workers (one for `single`) and return its report.
 
     Mode `xronos` without an explicit split profiles every worker under its quota
     first, then plans with the exact partitioner; the others split by rule.
+    With `metrics_port`, device d serves its node metrics (node `device-d`) on
+    `metrics_port + d` while the run lasts, as a node agent would.
     """
     if speeds is not None and len(speeds) != nodes:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {nodes}")
@@ -106,9 +131,12 @@ def run_local(
 
     run_dir = Path(tempfile.mkdtemp(prefix="xronos-run-"))
     run_id = uuid.uuid4().hex[:8]
-    quotas, workers = [], []
+    quotas, workers, feeds = [], [], []
     try:
         save_file({"input_ids": rows}, run_dir / "rows.safetensors")
+        if metrics_port is not None:
+            for d in range(n_workers):
+                feeds.append(_MetricsFeed(f"device-{d}", f"run-{run_id}", run_dir / f"progress-{d}.jsonl", metrics_port + d))
         port = free_port()
         memory = available_memory_bytes() // n_workers
         throttled = None not in device_speeds
@@ -127,6 +155,7 @@ def run_local(
                 master_port=port, rows_file=str(run_dir / "rows.safetensors"),
                 result_file=str(run_dir / f"result-{device}.json"), threads=threads,
                 show_progress=show_progress and device == 0, quota_file=quota and quota.procs_file,
+                progress_file=str(run_dir / f"progress-{device}.jsonl") if metrics_port is not None else None,
             )
             spec_file = run_dir / f"spec-{device}.json"
             spec_file.write_text(spec.model_dump_json())
@@ -137,10 +166,11 @@ def run_local(
             if quota is not None:
                 start_under(quota, worker.proc.pid)
 
+        tick = (lambda: [feed.read(w.proc.pid) for feed, w in zip(feeds, workers)]) if feeds else None
         devices, predicted, plan = list(range(n_workers)), None, None
         if profiled:
             profile_files = [run_dir / f"profile-{d}.json" for d in range(n_workers)]
-            _watch(workers, Path(job.output), until=lambda: all(p.is_file() for p in profile_files))
+            _watch(workers, Path(job.output), until=lambda: all(p.is_file() for p in profile_files), tick=tick)
             profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files]
             plan = plan_job(job, dims, profiles)
             split, stages, predicted, devices = plan.split, plan.stages, plan.predicted, plan.members
@@ -149,7 +179,9 @@ def run_local(
             assignment = LocalAssignment(ranks=plan.ranks, split=split, profiles=plan.profiles, stages=stages,
                                          micro_batches=plan.micro_batches)
             _write_json(run_dir / "plan.json", assignment)
-        _watch(workers, Path(job.output))
+        _watch(workers, Path(job.output), tick=tick)
+        if tick is not None:
+            tick()
         results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
         report = build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
                               stages=stages, dims=dims)
@@ -158,6 +190,8 @@ def run_local(
         return report
     finally:
         stop_all(workers)
+        for feed in feeds:
+            feed.metrics.close()
         for quota in quotas:
             quota.close()
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -145,6 +145,13 @@ class PipelineTrainer(Trainer):
     def comm_seconds_of_step(self, wall: float, clock_before: float) -> float:
         return self.schedule_wait + CLOCK.seconds - clock_before
 
+    def shard_held(self) -> dict:
+        """A stage holds whole layers; its stall is the schedule's wait (the paper's computation
+        stall: the stage's cores wait for a neighbour's activations or gradients)."""
+        lo, hi = self.spec.stages[self.rank]
+        return {"layers": hi - lo, "stall_seconds": self.schedule_wait,
+                "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+
     def train_step(self, step: int) -> float:
         job = self.job
         rows = self.rows[batch_rows(step, job.batch_size, len(self.rows), job.seed, job.shuffle)]

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from transformers.masking_utils import create_causal_mask
 
+from edge_node.memory import available_memory_bytes
 from edge_node.model_io import ATTN_IMPLEMENTATION
 from edge_node.optimizer import adamw
 from edge_node.tp.cross_entropy import causal_lm_loss
@@ -170,20 +171,6 @@ def fit_fixed_and_per_unit(one_unit: float, share: float, units: int) -> tuple[f
     # At the superlinear clamp the fixed cost is 0 up to round-off, which can be -1e-16: a
     # profile must not fail validation on that.
     return max(0.0, share - per_unit * units), per_unit
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable, or this cgroup's memory limit when that is smaller."""
-    avail = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            avail = int(line.split()[1]) * 1024
-    limit_file = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
-    if limit_file.is_file():
-        limit = int(limit_file.read_text())
-        usage = int(Path("/sys/fs/cgroup/memory/memory.usage_in_bytes").read_text())
-        avail = min(avail, max(limit - usage, 0)) if limit < 1 << 60 else avail
-    return avail
 
 
 VOCAB_SAMPLE_ROWS = 3072

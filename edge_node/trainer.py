@@ -232,9 +232,22 @@ class Trainer:
         line = {"step": step + 1, "loss": self.losses[-1], "step_seconds": self.step_seconds[-1],
                 "comm_seconds": self.comm_seconds[-1], "compute_seconds": compute,
                 "idle_seconds": max(0.0, slowest.item() - compute),
-                "tokens": self.job.batch_size * self.job.seq_len}
+                "tokens": self.job.batch_size * self.job.seq_len, **self.shard_held()}
         with open(self.spec.progress_file, "a") as out:
             out.write(json.dumps(line) + "\n")
+
+    def shard_held(self) -> dict:
+        """What this rank holds now (a re-shard changes it mid-job), for the progress line.
+
+        KV groups count a row share as its fraction of a group; single mode holds everything.
+        """
+        dims = self.dims
+        if self.tensor_parallel:
+            kv, mlp, vocab = self.spec.split.shares()[self.rank]
+        else:
+            kv, mlp, vocab = dims.num_kv_heads, dims.intermediate_size, dims.vocab_size
+        return {"kv_groups": kv, "mlp_columns": mlp, "vocab_rows": vocab, "layers": dims.num_layers,
+                "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     # -- re-planning from measured compute ------------------------------------------
     def can_replan(self) -> bool:

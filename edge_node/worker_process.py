@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 import re
 import signal
@@ -126,3 +127,26 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
 
 def stop_all(workers: list[WorkerProcess]) -> None:
     stop_processes([w.proc for w in workers])
+
+
+class ProgressFile:
+    """The worker's per-step progress lines (`WorkerSpec.progress_file`), read as they come.
+
+    Only whole lines count: the worker may be half-way through writing the next one.
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.offset = Path(path), 0
+
+    def new_lines(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        lines = []
+        with self.path.open() as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                self.offset += len(line.encode())
+                lines.append(json.loads(line))
+        return lines

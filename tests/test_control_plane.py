@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from controller.service import Controller, ControllerOptions
 from edge_node.agent import NodeAgent, NodeOptions
 from edge_node.launcher import run_local
 from edge_node.worker_process import free_port, stop_processes
+from live_cluster import train_by_command, wait_for, xronos_process
 from xronos import wire
 from xronos.broker import EmbeddedBroker
 from xronos.job import JobOptions
@@ -39,16 +41,6 @@ from xronos.operator import cluster_status
 
 USERS = {"controller": "ctl-pw", "operator": "op-pw", "n0": "n0-pw", "n1": "n1-pw", "intruder": "in-pw"}
 STEPS, BATCH, SEQ = 4, 4, 16
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -70,9 +62,7 @@ def raw_client(url_port: int, user: str) -> paho.Client:
 
 
 def xronos(*args: str, user: str, url: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "XRONOS_BROKER": url, "XRONOS_USERNAME": user, "XRONOS_PASSWORD": USERS[user]}
-    return subprocess.Popen([sys.executable, "-m", "xronos.cli", *args], env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT)
+    return xronos_process(*args, user=user, password=USERS[user], url=url, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +96,9 @@ def cluster(tmp_path_factory, model_dir, data_file):
 
 def train(cluster, job_id: str, *extra: str, log_name: str) -> subprocess.CompletedProcess:
     root = cluster["root"]
-    env = {**os.environ, "XRONOS_BROKER": cluster["broker"].url, "XRONOS_USERNAME": "operator",
-           "XRONOS_PASSWORD": USERS["operator"]}
-    cmd = [sys.executable, "-m", "xronos.cli", "train", "--model", str(cluster["model"]), "--data", str(cluster["data"]),
-           "--steps", str(STEPS), "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--lr", "1e-3", "--no-shuffle", "--job-id", job_id,
-           "--output", str(root / f"out-{job_id}"), "--wait", "--timeout", "300", "--quiet", *extra]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
-    (root / log_name).write_text(result.stdout + result.stderr)
-    return result
+    return train_by_command(cluster["broker"].url, USERS["operator"], cluster["model"], cluster["data"],
+                            root / f"out-{job_id}", job_id, *extra, steps=STEPS, seq_len=SEQ, batch_size=BATCH,
+                            log=root / log_name)
 
 
 def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(cluster, tmp_path):
@@ -161,14 +146,15 @@ def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(clus
     assert ctl['xronos_invalid_messages_total{topic="cmd/train"}'] >= 2
     assert ctl['xronos_invalid_messages_total{topic="cmd/stop"}'] >= 1
     assert ctl['xronos_jobs{state="completed"}'] >= 1
-    assert ctl['xronos_job_step_seconds{job="good-1"}'] > 0
+    assert ctl['xronos_job_step_seconds{job_id="good-1"}'] > 0
     jobs = {j.job_id: j for j in cluster_status(cluster["settings"], 1.0).jobs}
     assert jobs["ghostly"].state == "failed" and "ghost is unknown" in jobs["ghostly"].reason
     assert jobs["good-1"].state == "completed" and "evil" not in jobs
     node = metrics(cluster["ports"]["n0"])
-    assert node['xronos_tokens_total{node="n0"}'] == STEPS * BATCH * SEQ
-    assert node['xronos_step_seconds_count{node="n0"}'] == STEPS
-    assert node['xronos_shard_kv_groups{node="n0"}'] + metrics(cluster["ports"]["n1"])['xronos_shard_kv_groups{node="n1"}'] == 3
+    assert node['xronos_tokens_total{job_id="good-1",node="n0"}'] == STEPS * BATCH * SEQ
+    assert node['xronos_step_seconds_count{job_id="good-1",node="n0"}'] == STEPS
+    n1 = metrics(cluster["ports"]["n1"])['xronos_shard_kv_groups{job_id="good-1",node="n1"}']
+    assert node['xronos_shard_kv_groups{job_id="good-1",node="n0"}'] + n1 == 3
     intruder.loop_stop()
     operator.loop_stop()
 
@@ -317,6 +303,7 @@ def test_demo_runs_the_whole_system_and_leaves_no_process(tmp_path):
     assert "publishing xronos/cmd/train" in result.stdout
     assert "xronos step time is" in result.stdout
     assert "mode tp: 3 worker(s)" in result.stdout
+    assert re.search(r"Prometheus metrics at controller http://127\.0\.0\.1:\d+/metrics, node-0 http://", result.stdout)
     left = processes_mentioning(str(work))
     assert not left, f"processes left behind: {left}"
 

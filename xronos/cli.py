@@ -33,6 +33,16 @@ def _positive_ints(text: str) -> list[int]:
     return numbers
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -132,7 +142,8 @@ def cmd_run(args) -> int:
     from xronos.summary import print_report
 
     job = _job_from_args(args)
-    report = run_local(job, args.nodes, args.speeds, args.split, threads=args.threads, show_progress=not args.quiet)
+    report = run_local(job, args.nodes, args.speeds, args.split, threads=args.threads, show_progress=not args.quiet,
+                       metrics_port=args.metrics_port)
     if args.report:
         Path(args.report).write_text(report.model_dump_json(indent=2))
     print_report(report)
@@ -239,7 +250,7 @@ def cmd_import_gguf(args) -> int:
 def cmd_demo(args) -> int:
     from xronos.demo import run_demo
 
-    return run_demo(workdir=args.workdir, steps=args.steps, speeds=args.speeds)
+    return run_demo(workdir=args.workdir, steps=args.steps, speeds=args.speeds, metrics_port=args.metrics_port)
 
 
 def _settings(args):
@@ -342,7 +353,7 @@ def cmd_status(args) -> int:
 def _add_service_options(p: argparse.ArgumentParser) -> None:
     """What the long-running processes (controller, node) share besides the broker."""
     _add_broker_options(p)
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on this port")
     p.add_argument("--verbose", action="store_true")
 
 
@@ -366,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     run.add_argument("--report", help="write the JSON report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--metrics-port", type=_port, metavar="PORT",
+                     help="serve each device's Prometheus metrics while the run lasts, device d on PORT+d "
+                          "(9101 matches deploy/prometheus/prometheus.yml)")
     run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser("plan", help="the partition plan for measured device profiles, offline")
@@ -447,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")
     demo.add_argument("--steps", type=int, default=8)
     demo.add_argument("--speeds", type=_numbers, default=[1.0, 0.5, 0.25])
+    demo.add_argument("--metrics-port", type=_port, default=9100, metavar="PORT",
+                      help="the controller's metrics on PORT, node i's on PORT+1+i (as deploy/prometheus/prometheus.yml "
+                           "scrapes them); taken ports give way to free ones")
     demo.set_defaults(func=cmd_demo)
     return parser
 

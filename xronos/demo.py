@@ -13,6 +13,7 @@ with it if it is killed).
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,10 +36,10 @@ SEQ_LEN, BATCH = 64, 8
 DEMO_USER, DEMO_PASSWORD = "xronos-demo", "demo-only-password"
 
 
-def _start_node(root: Path, node_id: str, speed: float, settings: BrokerSettings) -> subprocess.Popen:
+def _start_node(root: Path, node_id: str, speed: float, settings: BrokerSettings, metrics_port: int) -> subprocess.Popen:
     log = (root / f"{node_id}.log").open("wb")
     cmd = [sys.executable, "-m", "xronos.cli", "node", "--node-id", node_id, "--speed", str(speed),
-           "--workdir", str(root / "nodes" / node_id), "--broker", settings.broker]
+           "--workdir", str(root / "nodes" / node_id), "--broker", settings.broker, "--metrics-port", str(metrics_port)]
     env_auth = {"XRONOS_USERNAME": settings.username, "XRONOS_PASSWORD": settings.password.get_secret_value()}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_auth},
                             preexec_fn=die_with_parent)
@@ -57,7 +58,23 @@ def _wait_online(controller: Controller, nodes: list[str], procs: list[subproces
     raise XronosError(f"nodes did not come online within {timeout:g} s")
 
 
-def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | None = None) -> int:
+def metrics_ports(first: int, count: int) -> list[int]:
+    """`count` ports from `first` on (what the shipped Prometheus configuration scrapes), each
+    taken one replaced by a free one: a second demo, or a real node on this machine, must not
+    stop this one."""
+    ports = []
+    for port in range(first, first + count):
+        try:
+            with socket.socket() as probe:
+                probe.bind(("0.0.0.0", port))
+        except OSError:
+            port = free_port()
+        ports.append(port)
+    return ports
+
+
+def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | None = None,
+             metrics_port: int = 9100) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -73,9 +90,16 @@ def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | N
         settings = BrokerSettings(broker=f"mqtt://127.0.0.1:{port}", username=DEMO_USER, password=DEMO_PASSWORD)
         print(f"demo: embedded broker on 127.0.0.1:{port} (password required), controller, "
               f"{len(speeds)} nodes at speeds {speeds}; logs in {root}")
-        controller = Controller(ControllerOptions(state_dir=root / "controller"), settings).start()
+        ports = metrics_ports(metrics_port, 1 + len(speeds))
+        controller = Controller(ControllerOptions(state_dir=root / "controller", metrics_port=ports[0]), settings).start()
         node_ids = [f"node-{i}" for i in range(len(speeds))]
-        procs = [_start_node(root, node_id, speed, settings) for node_id, speed in zip(node_ids, speeds)]
+        procs = [_start_node(root, node_id, speed, settings, port)
+                 for node_id, speed, port in zip(node_ids, speeds, ports[1:])]
+        print("demo: Prometheus metrics at " + ", ".join(
+            f"{name} http://127.0.0.1:{port}/metrics" for name, port in zip(["controller", *node_ids], ports)))
+        if ports != list(range(metrics_port, metrics_port + len(ports))):
+            print("demo: some of the usual ports were taken; deploy/prometheus/prometheus.yml scrapes "
+                  f"{metrics_port}-{metrics_port + len(ports) - 1}, so point its targets at the ports above")
         try:
             _wait_online(controller, node_ids, procs, timeout=120)
             reports = []

@@ -155,7 +155,7 @@ class Bus:
             found = topic.ident(msg.topic)
             if found is None or (ident != "+" and found != ident):
                 continue
-            family = topic.pattern.replace("{}", "+")
+            family = topic.family
             try:
                 message = None if not msg.payload else topic.decode(msg.payload)
                 if found and not wire.valid_id(found):

@@ -57,6 +57,7 @@ class Heartbeat(_Message):
     job_id: Id | None = None
     step: int | None = None
     loss: float | None = None
+    step_seconds: float | None = Field(None, ge=0, description="Wall time of the step named by `step`.")
 
 
 class ProfileMessage(_Message):
@@ -156,6 +157,11 @@ class Topic(Generic[M]):
 
     def subscription(self) -> str:
         return f"{ROOT}/{self.pattern.format('+')}"
+
+    @property
+    def family(self) -> str:
+        """The family's name below the root with '+' for the id: how dropped messages are counted."""
+        return self.pattern.replace("{}", "+")
 
     def encode(self, message: M) -> bytes:
         return message.model_dump_json().encode()
