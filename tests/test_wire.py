@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -128,3 +130,40 @@ def test_ids_are_read_back_from_concrete_topics():
     assert wire.TRAIN.ident("xronos/cmd/train") == ""
     assert wire.HEARTBEAT.ident("xronos/nodes/a/b/heartbeat") is None
     assert wire.HEARTBEAT.ident("xronos/nodes/gw-1/profile") is None
+
+
+# -- the published contract: JSON Schemas and the documented examples --------------------------
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def test_committed_json_schemas_match_the_wire_models():
+    texts = {name: json.dumps(schema, indent=2) + "\n" for name, schema in wire.json_schemas().items()}
+    committed = {p.name: p.read_text() for p in (DOCS / "schema").glob("*.json")}
+    assert committed == texts, "docs/schema drifted from xronos/wire.py: run `xronos schema`"
+    assert {s["x-xronos-topic"] for s in wire.json_schemas().values()} == {t.subscription() for t in wire.TOPICS}
+
+
+def test_every_topic_has_a_documented_example_that_the_models_accept():
+    text = (DOCS / "control-plane.md").read_text()
+    covered = set()
+    for section in re.split(r"^### ", text, flags=re.M)[1:]:
+        topic_name = re.match(r"`(xronos/[^`]+)`", section).group(1)
+        payload = re.search(r"```json\n(.*?)```", section, flags=re.S).group(1)
+        family = next(t for t in wire.TOPICS if t.ident(topic_name) is not None)
+        message = family.decode(payload.encode())
+        ident = family.ident(topic_name)
+        own = getattr(message, "node_id", None) if "nodes/" in family.pattern else getattr(message, "job_id", None)
+        assert not ident or own == ident, f"{topic_name}: the payload names {own}"
+        covered.add(family)
+    assert covered == set(wire.TOPICS), f"no example for {set(wire.TOPICS) - covered}"
+
+
+def test_schema_command_writes_the_schemas_and_checks_them(tmp_path, capsys):
+    from xronos.cli import main
+
+    assert main(["schema", "--check", "--out", str(DOCS / "schema")]) == 0
+    assert main(["schema", "--check", "--out", str(tmp_path)]) != 0
+    assert "differs from the wire models" in capsys.readouterr().err
+    assert main(["schema", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(wire.json_schemas())
+    assert main(["schema", "--check", "--out", str(tmp_path)]) == 0

@@ -205,6 +205,28 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_schema(args) -> int:
+    import json
+
+    from xronos.wire import json_schemas
+
+    out = Path(args.out)
+    texts = {name: json.dumps(schema, indent=2) + "\n" for name, schema in json_schemas().items()}
+    if args.check:
+        stale = sorted(name for name, text in texts.items()
+                       if not (out / name).is_file() or (out / name).read_text() != text)
+        extra = sorted(p.name for p in out.glob("*.json") if p.name not in texts)
+        if stale or extra:
+            raise XronosError(f"{out} differs from the wire models ({', '.join(stale + extra)}): run xronos schema --out {out}")
+        print(f"{out}: {len(texts)} schemas match the wire models")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (out / name).write_text(text)
+    print(f"wrote {len(texts)} JSON Schemas to {out}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from xronos.bench import print_bench, run_bench, save_json, write_chart
     from xronos.job import MODES
@@ -392,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="take the least idle attention layout whose step is within this of the shortest "
                            "(default: the job's, controller.partitioner.IDLE_TOLERANCE; 0: the shortest)")
     plan.set_defaults(func=cmd_plan)
+
+    schema = sub.add_parser("schema", help="write the JSON Schema of every MQTT message (the published wire contract)")
+    schema.add_argument("--out", default="docs/schema", help="directory for the .json files (default docs/schema)")
+    schema.add_argument("--check", action="store_true", help="only check that --out matches the models (exit 1 if not)")
+    schema.set_defaults(func=cmd_schema)
 
     bench = sub.add_parser("bench", help="the modes side by side on one emulated cluster (table, chart, perplexity)")
     _add_job_options(bench)

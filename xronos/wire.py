@@ -198,3 +198,19 @@ TRAIN = Topic("cmd/train", TrainCommand, qos=1, retain=False)
 STOP = Topic("cmd/stop", StopCommand, qos=1, retain=False)
 
 TOPICS = (NODE_STATUS, HEARTBEAT, PROFILE, ASSIGNMENT, RESULT, JOB_STATUS, TRAIN, STOP)
+
+
+def json_schemas() -> dict[str, dict]:
+    """The published form of the contract: each topic's message as JSON Schema, by file name.
+
+    Each schema also says where its message goes (`x-xronos-topic`, `-qos`, `-retain`), so
+    a Node-RED flow or a Home Assistant automation can be written from the files alone.
+    """
+    out = {}
+    for topic in TOPICS:
+        schema = topic.model.model_json_schema()
+        out[f"{topic.model.__name__}.json"] = {
+            "$schema": "https://json-schema.org/draft/2020-12/schema", **schema,
+            "x-xronos-topic": topic.subscription(), "x-xronos-qos": topic.qos, "x-xronos-retain": topic.retain,
+        }
+    return out
