@@ -125,7 +125,8 @@ class NodeAgent:
                 self._poll()
         finally:
             self._end_job()
-            self.bus.publish(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")).wait_for_publish(2)
+            if self.bus.connected.is_set():  # else the broker publishes the will once it notices
+                self.bus.publish(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")).wait_for_publish(2)
             self.bus.stop()
             self.metrics.close()
 

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -212,6 +214,59 @@ def test_a_stop_command_stops_the_job_and_its_workers(cluster):
     wait_for(lambda: not processes_mentioning(str(root / "n0" / "jobs" / "halted")) and
              not processes_mentioning(str(root / "n1" / "jobs" / "halted")), 20, "the workers to stop")
     operator.loop_stop()
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_command(program: str) -> list[str]:
+    """The README's one `program ...` command line, as the shell would split it (no expansion)."""
+    lines = [line for line in README.read_text().splitlines() if line.startswith(f"{program} ")]
+    assert len(lines) == 1, f"the README should show one {program} command line, not {len(lines)}"
+    return shlex.split(lines[0])
+
+
+def test_readme_mosquitto_pub_example_trains_a_job_to_completion(cluster, tmp_path):
+    """The README's plain-MQTT example, run as written with the real Mosquitto clients: its
+    placeholders (HOST, the port, $PASSWORD, the nodes' /models and /data paths) filled in, and
+    the job made small enough for a test."""
+    for tool in ("mosquitto_pub", "mosquitto_sub"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed (apt-get install --no-install-recommends mosquitto-clients)")
+    fill = {"HOST": "127.0.0.1", "1883": str(cluster["broker"].port), "$PASSWORD": USERS["operator"]}
+    pub = [fill.get(word, word) for word in readme_command("mosquitto_pub")]
+    sub = [fill.get(word, word) for word in readme_command("mosquitto_sub")]
+    assert pub[pub.index("-t") + 1] == "xronos/cmd/train" and pub[pub.index("-u") + 1] == "operator"
+
+    at = pub.index("-m") + 1
+    wire.TRAIN.decode(pub[at].encode())  # as written, before the test's own paths and sizes
+    command = json.loads(pub[at])
+    job = command["job"]
+    assert job["model"].startswith("/models/") and job["data"].startswith("/data/") and job["output"].startswith("/models/")
+    job.update(model=str(cluster["model"]), data=str(cluster["data"]), output=str(tmp_path / "out"),
+               steps=3, batch_size=BATCH, seq_len=SEQ)
+    pub[at] = json.dumps(command)
+    published = subprocess.run(pub, capture_output=True, text=True, timeout=30)
+    assert published.returncode == 0, published.stderr
+
+    topic = sub[sub.index("-t") + 1]
+    assert topic == f"xronos/jobs/{command['job_id']}/status"
+    follow = subprocess.Popen([*sub, "-W", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    status: dict = {}
+    try:
+        for line in follow.stdout:  # -v: "topic payload"; the status is retained, then each change
+            name, _, payload = line.rstrip("\n").partition(" ")
+            if name == topic:
+                status = json.loads(payload)
+                if status["state"] in ("completed", "failed", "stopped"):
+                    break
+    finally:
+        follow.terminate()
+        follow.wait(timeout=10)
+    assert status.get("state") == "completed", status.get("reason") or status
+    assert len(status["report"]["losses"]) == 3
+    assert status["output"].endswith(f":{tmp_path / 'out'}")
+    assert (tmp_path / "out" / "config.json").is_file()
 
 
 @pytest.fixture
