@@ -372,6 +372,12 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_deploy(args) -> int:
+    from xronos.deploy import run_deploy
+
+    return run_deploy(args.action, args.inventory, dry_run=args.dry_run, targets_file=args.targets)
+
+
 def _add_service_options(p: argparse.ArgumentParser) -> None:
     """What the long-running processes (controller, node) share besides the broker."""
     _add_broker_options(p)
@@ -492,6 +498,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the controller's metrics on PORT, node i's on PORT+1+i (as deploy/prometheus/prometheus.yml "
                            "scrapes them); taken ports give way to free ones")
     demo.set_defaults(func=cmd_demo)
+
+    deploy = sub.add_parser("deploy", help="roll node containers out to devices through their Docker Engine API")
+    deploy.add_argument("action", nargs="?", choices=("up", "status", "remove"), default="up",
+                        help="up (default): (re)create each device's node container; status; remove (volumes stay)")
+    deploy.add_argument("--inventory", required=True, metavar="FILE",
+                        help="YAML inventory of devices (xronos/inventory.py, deploy/README.md)")
+    deploy.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
+    deploy.add_argument("--targets", metavar="FILE",
+                        help="Prometheus file_sd targets to write (default deploy/prometheus/targets/xronos-deploy.json "
+                             "when run from the repository root)")
+    deploy.set_defaults(func=cmd_deploy)
     return parser
 
 

@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -38,6 +39,9 @@ class BrokerSettings(BaseSettings):
     broker: str = "mqtt://127.0.0.1:1883"
     username: str | None = None
     password: SecretStr | None = None
+    password_file: Path | None = None
+    """A file holding the password (`XRONOS_PASSWORD_FILE`), read when no password is given: a
+    container's secret file (`xronos deploy` writes one) stays out of `docker inspect` and `ps`."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,14 @@ def broker_address(settings: BrokerSettings) -> BrokerAddress:
         port = parts.port or 1883
     except ValueError:
         raise XronosError(f"bad broker URL {settings.broker!r}: the port is not a number") from None
-    password = settings.password.get_secret_value() if settings.password else parts.password
+    password = settings.password.get_secret_value() if settings.password else None
+    if password is None and settings.password_file is not None:
+        try:
+            password = settings.password_file.read_text().rstrip("\r\n")
+        except OSError as err:
+            raise XronosError(f"cannot read the password file {str(settings.password_file)!r}: "
+                              f"{err.strerror or err}") from None
+    password = password if password is not None else parts.password
     return BrokerAddress(parts.hostname, port, settings.username or parts.username, password)
 
 
