@@ -39,7 +39,7 @@ from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
 from edge_node.profiler import _mean_seconds, _training_step, _variant
-from xronos.splits import ModelDims
+from xronos.contract.splits import ModelDims
 
 HEADS_PER_GROUP = 3
 """The layouts below are for SmolLM2's attention: 3 KV groups of 3 query heads."""
@@ -116,7 +116,7 @@ def print_segments(speeds: list[float], timed: dict[float, dict[str, float]]) ->
 
 def run_ab(model_dir: str, data: str, speeds: list[float], rounds: int, steps: int, batch: int, seq_len: int) -> None:
     from edge_node.launcher import run_local
-    from xronos.job import JobOptions
+    from xronos.contract.job import JobOptions
     from xronos.summary import node_seconds
 
     layouts = {

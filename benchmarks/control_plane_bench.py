@@ -29,14 +29,14 @@ import time
 
 import paho.mqtt.client as paho
 
-from controller.job_plan import plan_job
+from xronos.planner.job_plan import plan_job
 from controller.service import Controller, ControllerOptions
-from xronos import wire
-from xronos.job import JobOptions
+from xronos.contract import wire
+from xronos.contract.job import JobOptions
 from xronos.mosquitto import Mosquitto
-from xronos.mqtt import BrokerSettings, Bus
-from xronos.profiles import DeviceProfile, ProfileShape
-from xronos.splits import ModelDims
+from xronos.contract.mqtt import BrokerSettings, Bus
+from xronos.contract.profiles import DeviceProfile, ProfileShape
+from xronos.contract.splits import ModelDims
 
 WIDE = ModelDims(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                  intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from edge_node.launcher import run_local
 from edge_node.toy_model import SMOL_SHAPES, make_data, make_model
-from xronos.job import JobOptions
+from xronos.contract.job import JobOptions
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from edge_node.cpu_quota import make_quota
 from edge_node.toy_model import SMOL_SHAPES, make_model
-from xronos.profiles import COMPUTE_FIELDS
+from xronos.contract.profiles import COMPUTE_FIELDS
 
 CHILD = """
 import sys

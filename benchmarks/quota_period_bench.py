@@ -28,7 +28,7 @@ import statistics, sys, time, torch
 from edge_node.cpu_quota import join_quota
 from edge_node.model_io import load_config
 from edge_node.profiler import _training_step, _variant
-from xronos.splits import ModelDims
+from xronos.contract.splits import ModelDims
 torch.set_num_threads(1)
 config = load_config(sys.argv[1]); dims = ModelDims.from_config(config)
 if sys.argv[2] != "none":

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from controller.partitioner import (MeasuredCompute, _solve_members, best_split_with_attention, collective_seconds,
+from xronos.planner.partitioner import (MeasuredCompute, _solve_members, best_split_with_attention, collective_seconds,
                                     device_compute, plan_partition, replan, split_step_seconds)
 from edge_node.model_io import load_config
-from xronos.profiles import DeviceProfile
-from xronos.report import RunReport, mean_idle_ratio
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.profiles import DeviceProfile
+from xronos.contract.report import RunReport, mean_idle_ratio
+from xronos.contract.splits import ModelDims, ShardSplit
 
 
 def final_profiles(report: RunReport, dims: ModelDims, micro_batch: int, seq_len: int) -> list[DeviceProfile]:

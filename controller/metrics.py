@@ -14,8 +14,8 @@ import collections
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from xronos import wire
-from xronos.metrics_http import MetricsEndpoint
+from xronos.contract import wire
+from xronos.contract.metrics_http import MetricsEndpoint
 
 JOB_STATES = ("planning", "running", "completed", "failed", "stopped")
 FINISHED_STATES = ("completed", "failed", "stopped")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xronos.profiles import DeviceProfile
+from xronos.contract.profiles import DeviceProfile
 
 
 @dataclass

@@ -30,13 +30,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from controller.job_plan import JobPlan, plan_job, with_predictions
+from xronos.planner.job_plan import JobPlan, plan_job, with_predictions
 from controller.metrics import ControllerMetrics
 from controller.registry import Registry
-from xronos import wire
-from xronos.errors import XronosError
-from xronos.mqtt import BrokerSettings, Bus
-from xronos.report import RankResult, build_report
+from xronos.contract import wire
+from xronos.contract.errors import XronosError
+from xronos.contract.mqtt import BrokerSettings, Bus
+from xronos.contract.report import RankResult, build_report
 
 log = logging.getLogger("xronos.controller")
 

@@ -36,11 +36,11 @@ from edge_node.cpu_quota import make_quota, start_under
 from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
 from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, stop_all
-from xronos import wire
-from xronos.job import JobOptions
-from xronos.mqtt import BrokerSettings, Bus
-from xronos.profiles import REFERENCE_BATCH, REFERENCE_CONFIG, REFERENCE_SEQ, DeviceProfile
-from xronos.report import LocalAssignment, RankResult
+from xronos.contract import wire
+from xronos.contract.job import JobOptions
+from xronos.contract.mqtt import BrokerSettings, Bus
+from xronos.contract.profiles import REFERENCE_BATCH, REFERENCE_CONFIG, REFERENCE_SEQ, DeviceProfile
+from xronos.contract.report import LocalAssignment, RankResult
 
 log = logging.getLogger("xronos.node")
 
@@ -172,8 +172,8 @@ class NodeAgent:
 
         from edge_node.data import load_rows
         from edge_node.model_io import load_config
-        from xronos.errors import XronosError
-        from xronos.splits import ModelDims
+        from xronos.contract.errors import XronosError
+        from xronos.contract.splits import ModelDims
 
         job = _Job(a.job_id, a.job, self.o.workdir / "jobs" / a.job_id)
         shutil.rmtree(job.dir, ignore_errors=True)

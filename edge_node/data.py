@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 
 def _read_jsonl(path: Path, seq_len: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 GGUF_MAGIC = b"GGUF"
 

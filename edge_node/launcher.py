@@ -19,8 +19,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from controller.job_plan import plan_job, with_predictions
-from controller.planning import split_for_mode
+from xronos.planner.job_plan import plan_job, with_predictions
+from xronos.planner.planning import split_for_mode
 from edge_node.cpu_quota import make_quota, pack_cores, start_under
 from edge_node.data import load_rows
 from edge_node.memory import available_memory_bytes
@@ -28,11 +28,11 @@ from edge_node.model_io import load_config
 from edge_node.trainer import WorkerSpec
 from edge_node.metrics import NodeMetrics
 from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, stop_all
-from xronos.errors import XronosError
-from xronos.job import JobOptions
-from xronos.profiles import DeviceProfile
-from xronos.report import LocalAssignment, RankResult, RunReport, build_report
-from xronos.splits import ModelDims
+from xronos.contract.errors import XronosError
+from xronos.contract.job import JobOptions
+from xronos.contract.profiles import DeviceProfile
+from xronos.contract.report import LocalAssignment, RankResult, RunReport, build_report
+from xronos.contract.splits import ModelDims
 
 def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None, tick=None) -> None:
     """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause.

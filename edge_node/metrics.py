@@ -16,7 +16,7 @@ import collections
 from prometheus_client import Counter, Gauge, Histogram
 
 from edge_node.memory import available_memory_bytes, resident_bytes
-from xronos.metrics_http import MetricsEndpoint
+from xronos.contract.metrics_http import MetricsEndpoint
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 KEPT_JOBS = 5

@@ -19,8 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from edge_node.tp.parallelize import check_supported, parallelize, tie_vocab_shards
 from edge_node.tp.plan import Slice, param_slice
-from xronos.errors import XronosError
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.errors import XronosError
+from xronos.contract.splits import ModelDims, ShardSplit
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Same attention kernel for every mode, so losses compare exactly."""

@@ -38,9 +38,9 @@ from edge_node.model_io import ATTN_IMPLEMENTATION
 from edge_node.optimizer import adamw
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.weight_grads import WEIGHT_GRADS, linear_weight_grad_later, weight_grads_later
-from xronos.errors import XronosError
-from xronos.profiles import DeviceProfile, ProfileShape
-from xronos.splits import ModelDims
+from xronos.contract.errors import XronosError
+from xronos.contract.profiles import DeviceProfile, ProfileShape
+from xronos.contract.splits import ModelDims
 
 def _variant(config, dims: ModelDims, layers: int, groups: int, mlp: int, vocab: int):
     c = copy.deepcopy(config)

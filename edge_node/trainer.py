@@ -30,11 +30,11 @@ from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
 from edge_node.tp.weight_grads import WEIGHT_GRADS
-from xronos.errors import XronosError
-from xronos.job import JobOptions
-from xronos.profiles import SEGMENT_FIELDS, DeviceProfile
-from xronos.report import WARMUP_STEPS, CollectiveChoice, RankResult, ReplanCheck
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.errors import XronosError
+from xronos.contract.job import JobOptions
+from xronos.contract.profiles import SEGMENT_FIELDS, DeviceProfile
+from xronos.contract.report import WARMUP_STEPS, CollectiveChoice, RankResult, ReplanCheck
+from xronos.contract.splits import ModelDims, ShardSplit
 
 KEEP_CHECKPOINTS = 2
 MAX_RESHARDS, MAX_REPLAN_CHECKS = 3, 8
@@ -126,7 +126,7 @@ class Trainer:
         the others do); without profiles (mode tp does not profile), rank 0. `auto` times
         both algorithms at the size of an activation and keeps the faster.
         """
-        from controller.partitioner import collective_seconds
+        from xronos.planner.partitioner import collective_seconds
 
         profiles = self.spec.profiles
         costs = [collective_seconds(p, self.dims) for p in profiles] if profiles else [0.0]
@@ -277,7 +277,7 @@ class Trainer:
         match; a changed split is applied in memory, the slices that change hands sent
         rank to rank (`reshard`).
         """
-        from controller.partitioner import MeasuredCompute, replan
+        from xronos.planner.partitioner import MeasuredCompute, replan
 
         self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
@@ -310,8 +310,8 @@ class Trainer:
         self.replans[-1] = self.replans[-1].model_copy(update={"reshard_seconds": time.perf_counter() - started})
 
     def min_replan_gain(self, step_seconds: float) -> float:
-        """The gain this check needs to re-shard (`controller.partitioner.min_replan_gain`)."""
-        from controller.partitioner import min_replan_gain
+        """The gain this check needs to re-shard (`xronos.planner.partitioner.min_replan_gain`)."""
+        from xronos.planner.partitioner import min_replan_gain
 
         last = self.replans[-1] if self.replans else None
         kept_gain = last.predicted_gain if last is not None and last.new_split is None else None

@@ -19,8 +19,8 @@ import torch
 from edge_node.cpu_quota import join_quota
 from edge_node.model_io import load_config, model_class
 from edge_node.trainer import Trainer, WorkerSpec
-from xronos.errors import XronosError
-from xronos.report import LocalAssignment
+from xronos.contract.errors import XronosError
+from xronos.contract.report import LocalAssignment
 
 
 def import_before_quota(spec: WorkerSpec) -> None:
@@ -30,7 +30,7 @@ def import_before_quota(spec: WorkerSpec) -> None:
     model_class(load_config(spec.job.model))
     modules = ["edge_node.profiler"]
     modules += ["edge_node.pipeline"] if spec.job.mode == "pp" else []
-    modules += ["controller.partitioner"] if spec.job.mode == "xronos" else []
+    modules += ["xronos.planner.partitioner"] if spec.job.mode == "xronos" else []
     for module in modules:
         importlib.import_module(module)
 

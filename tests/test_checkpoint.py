@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from edge_node import checkpoint
 from edge_node.launcher import run_local
 from tests.conftest import SEQ_LEN
-from xronos.job import JobOptions
+from xronos.contract.job import JobOptions
 
 
 def _job(model, data, out, mode, **kw):

@@ -16,7 +16,7 @@ from transformers import GPT2Config
 from edge_node.worker_process import last_error
 from tests.conftest import SEQ_LEN
 from xronos.cli import main
-from xronos.splits import ShardSplit
+from xronos.contract.splits import ShardSplit
 
 
 def run_cli(args, capsys):

@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from xronos.cli import build_parser
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 from xronos.healthcheck import check, metrics_port
-from xronos.metrics_http import MetricsEndpoint
-from xronos.mqtt import BrokerSettings, Bus, broker_address
+from xronos.contract.metrics_http import MetricsEndpoint
+from xronos.contract.mqtt import BrokerSettings, Bus, broker_address
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "compose.yaml"

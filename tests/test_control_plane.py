@@ -34,11 +34,11 @@ from edge_node.agent import NodeAgent, NodeOptions
 from edge_node.launcher import run_local
 from edge_node.worker_process import free_port, stop_processes
 from live_cluster import train_by_command, wait_for, xronos_process
-from xronos import wire
+from xronos.contract import wire
 from xronos.broker import EmbeddedBroker
-from xronos.job import JobOptions
+from xronos.contract.job import JobOptions
 from xronos.mosquitto import Mosquitto
-from xronos.mqtt import BrokerSettings, Bus
+from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.operator import cluster_status
 
 USERS = {"controller": "ctl-pw", "operator": "op-pw", "n0": "n0-pw", "n1": "n1-pw", "intruder": "in-pw"}

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from edge_node.data import batch_rows, load_rows
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 
 def test_no_shuffle_order_is_the_contract():

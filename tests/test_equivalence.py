@@ -20,9 +20,9 @@ from edge_node.model_io import full_param_shapes, load_config
 from edge_node.tp.plan import param_slice
 from tests.conftest import SEQ_LEN
 from xronos.cli import main
-from xronos.job import JobOptions
-from xronos.report import segment_wait_seconds
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.job import JobOptions
+from xronos.contract.report import segment_wait_seconds
+from xronos.contract.splits import ModelDims, ShardSplit
 
 STEPS = 5
 

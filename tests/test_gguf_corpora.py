@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2
 from edge_node import corpora, gguf_import
 from edge_node.corpora import locate_kjv_db, read_kjv_passages, write_kjv_text
 from edge_node.gguf_import import import_gguf, locate_smollm2_gguf
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 KJV_PASSAGES = 24_408
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from controller.partitioner import (
+from xronos.planner.partitioner import (
     ROW_SHARE_MIN_GAIN,
     _solve_members,
     collective_seconds,
@@ -22,10 +22,10 @@ from controller.partitioner import (
     vocab_later_seconds,
 )
 from xronos.cli import main
-from xronos.profiles import (COMPUTE_FIELDS, DeviceProfile, ProfileShape, attention_backward_seconds,
+from xronos.contract.profiles import (COMPUTE_FIELDS, DeviceProfile, ProfileShape, attention_backward_seconds,
                              attention_weight_grad_seconds, weight_grad_seconds)
-from xronos.errors import XronosError
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.errors import XronosError
+from xronos.contract.splits import ModelDims, ShardSplit
 
 # 2 KV groups, 16 MLP blocks of 1 column, 16 vocabulary blocks of 1 row.
 DIMS = ModelDims(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
@@ -292,7 +292,7 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
 def measured_on(truth, split, dims=DIMS, apart=True):
     """What a job on `split` measures per micro-step if its devices run at the paces of `truth`:
     compute in all, and (`apart`) in its attention, MLP and vocabulary segments."""
-    from controller.partitioner import MeasuredCompute, device_compute, segment_compute
+    from xronos.planner.partitioner import MeasuredCompute, device_compute, segment_compute
 
     out = []
     for r, (t, share) in enumerate(zip(truth, split.shares())):
@@ -307,7 +307,7 @@ def test_repeated_replans_converge_on_the_measured_pace():
     profiles the last one recalibrated, so the split converges to the one planned with the
     true paces (the error factor f shrinks as f**((1 - RECALIBRATION_STEP)**k)), to within
     the gain a re-shard must promise."""
-    from controller.partitioner import MIN_REPLAN_GAIN, device_compute, recalibrate, replan
+    from xronos.planner.partitioner import MIN_REPLAN_GAIN, device_compute, recalibrate, replan
 
     rng = random.Random(7)
     profiles = [profile(i, rng) for i in range(3)]
@@ -333,7 +333,7 @@ def test_replans_calibrate_attention_and_mlp_apart():
     and its MLP 10% slow, another's the reverse. Re-plans fed each rank's attention and MLP
     segments (as `edge_node.tp.comm` measures them) reach the split of the true paces; fed the
     totals alone, they scale each device as a whole and stop further off."""
-    from controller.partitioner import MIN_REPLAN_GAIN, calibration_factors, recalibrate, replan
+    from xronos.planner.partitioner import MIN_REPLAN_GAIN, calibration_factors, recalibrate, replan
 
     dims = ModelDims(hidden_size=24, num_layers=4, num_heads=6, num_kv_heads=3, head_dim=4,
                      intermediate_size=24, vocab_size=16, tie_word_embeddings=False)
@@ -367,7 +367,7 @@ def test_the_best_split_beside_a_fixed_attention_is_the_plans_beside_its_own():
     """`best_split_with_attention` prices a layout the plan did not choose (benchmarks/replay_bench.py):
     beside the plan's own whole-group attention it gives the plan's split, and beside any layout it
     keeps that layout."""
-    from controller.partitioner import best_split_with_attention
+    from xronos.planner.partitioner import best_split_with_attention
 
     same = 0
     for seed in range(20):
@@ -389,7 +389,7 @@ def test_the_plan_takes_the_best_whole_group_layout_and_the_least_idle_near_it()
     whole-group layout, not only beside the min-max ones (with only those two priced, some of these
     plans miss a shorter layout). With IDLE_TOLERANCE the plan
     may take a layout up to that much longer, and then only one that idles less."""
-    from controller.partitioner import IDLE_TOLERANCE, best_split_with_attention
+    from xronos.planner.partitioner import IDLE_TOLERANCE, best_split_with_attention
 
     changed = 0
     for seed in range(40):
@@ -538,7 +538,7 @@ def test_a_gain_two_checks_agree_on_reshards_below_the_threshold():
     """A re-plan that finds the best split 2% shorter keeps the split (under MIN_REPLAN_GAIN); the
     next check, told the one before kept a gain of 2%, re-shards to that split, unless a re-shard
     would not pay back its seconds over the steps left."""
-    from controller.partitioner import (CONFIRMED_REPLAN_GAIN, MIN_REPLAN_GAIN, MeasuredCompute, device_compute,
+    from xronos.planner.partitioner import (CONFIRMED_REPLAN_GAIN, MIN_REPLAN_GAIN, MeasuredCompute, device_compute,
                                         min_replan_gain, replan)
 
     rng = random.Random(3)

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.planning import even_split, split_for_mode, split_units, weighted_split
+from xronos.planner.planning import even_split, split_for_mode, split_units, weighted_split
 from edge_node.tp.plan import Slice, param_slice
-from xronos.errors import XronosError
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.errors import XronosError
+from xronos.contract.splits import ModelDims, ShardSplit
 
 DIMS = ModelDims(
     hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,

@@ -13,9 +13,9 @@ from edge_node.launcher import run_local
 from edge_node.model_io import load_config
 from edge_node.profiler import fit_fixed_and_per_unit, profile_device
 from edge_node.toy_model import make_data, make_model
-from xronos.errors import XronosError
-from xronos.job import JobOptions
-from xronos.report import WARMUP_STEPS
+from xronos.contract.errors import XronosError
+from xronos.contract.job import JobOptions
+from xronos.contract.report import WARMUP_STEPS
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from edge_node.model_io import full_param_shapes, load_config, load_shard, Safet
 from edge_node.reshard import moves, reshard_tensors
 from edge_node.tp.plan import Slice, param_slice
 from edge_node.worker_process import free_port
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.splits import ModelDims, ShardSplit
 
 
 def _tiling(total: int, ranks: int, rng: random.Random) -> list[Slice]:

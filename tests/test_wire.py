@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xronos import wire
-from xronos.job import JobOptions
-from xronos.profiles import DeviceProfile, ProfileShape
-from xronos.report import RankResult
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract import wire
+from xronos.contract.job import JobOptions
+from xronos.contract.profiles import DeviceProfile, ProfileShape
+from xronos.contract.report import RankResult
+from xronos.contract.splits import ModelDims, ShardSplit
 
 ids = st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True)
 counts = st.lists(st.integers(0, 10_000), min_size=1, max_size=4)
@@ -139,7 +139,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 def test_committed_json_schemas_match_the_wire_models():
     texts = {name: json.dumps(schema, indent=2) + "\n" for name, schema in wire.json_schemas().items()}
     committed = {p.name: p.read_text() for p in (DOCS / "schema").glob("*.json")}
-    assert committed == texts, "docs/schema drifted from xronos/wire.py: run `xronos schema`"
+    assert committed == texts, "docs/schema drifted from xronos/contract/wire.py: run `xronos schema`"
     assert {s["x-xronos-topic"] for s in wire.json_schemas().values()} == {t.subscription() for t in wire.TOPICS}
 
 

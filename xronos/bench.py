@@ -20,9 +20,9 @@ from edge_node.data import load_rows
 from edge_node.evaluate import perplexity
 from edge_node.launcher import run_local
 from edge_node.model_io import load_config
-from xronos.job import JobOptions
-from xronos.report import RunReport, describe_layout
-from xronos.splits import ModelDims
+from xronos.contract.job import JobOptions
+from xronos.contract.report import RunReport, describe_layout
+from xronos.contract.splits import ModelDims
 from xronos.summary import node_seconds, replan_lines
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from amqtt.plugins.base import BaseAuthPlugin
 
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 
 class CredentialAuthPlugin(BaseAuthPlugin):

@@ -14,9 +14,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from xronos import __version__
-from xronos.errors import XronosError
-from xronos.job import MODES
-from xronos.splits import WEIGHT_GRADS_LATER
+from xronos.contract.errors import XronosError
+from xronos.contract.job import MODES
+from xronos.contract.splits import WEIGHT_GRADS_LATER
 
 
 def _numbers(text: str, kind=float) -> list:
@@ -115,7 +115,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
 
 
 def _job_from_args(args):
-    from xronos.job import JobOptions
+    from xronos.contract.job import JobOptions
 
     return JobOptions(
         model=args.model,
@@ -173,10 +173,10 @@ def cmd_plan(args) -> int:
 
     from pydantic import TypeAdapter
 
-    from controller.partitioner import plan_partition
+    from xronos.planner.partitioner import plan_partition
     from edge_node.model_io import load_config
-    from xronos.profiles import DeviceProfile
-    from xronos.splits import ModelDims
+    from xronos.contract.profiles import DeviceProfile
+    from xronos.contract.splits import ModelDims
     from xronos.summary import print_plan
 
     raw = []
@@ -208,7 +208,7 @@ def cmd_plan(args) -> int:
 def cmd_schema(args) -> int:
     import json
 
-    from xronos.wire import json_schemas
+    from xronos.contract.wire import json_schemas
 
     out = Path(args.out)
     texts = {name: json.dumps(schema, indent=2) + "\n" for name, schema in json_schemas().items()}
@@ -229,7 +229,7 @@ def cmd_schema(args) -> int:
 
 def cmd_bench(args) -> int:
     from xronos.bench import print_bench, run_bench, save_json, write_chart
-    from xronos.job import MODES
+    from xronos.contract.job import MODES
 
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
@@ -276,7 +276,7 @@ def cmd_demo(args) -> int:
 
 
 def _settings(args):
-    from xronos.mqtt import BrokerSettings
+    from xronos.contract.mqtt import BrokerSettings
 
     given = {k: v for k, v in (("broker", args.broker), ("username", args.username), ("password", args.password)) if v}
     return BrokerSettings(**given)
@@ -333,7 +333,7 @@ def cmd_node(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from xronos import wire
+    from xronos.contract import wire
     from xronos.operator import new_job_id, submit
 
     import os
@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--idle-tolerance", type=_fraction, default=None, metavar="FRACTION",
                       help="take the least idle attention layout whose step is within this of the shortest "
-                           "(default: the job's, controller.partitioner.IDLE_TOLERANCE; 0: the shortest)")
+                           "(default: the job's, xronos.planner.partitioner.IDLE_TOLERANCE; 0: the shortest)")
     plan.set_defaults(func=cmd_plan)
 
     schema = sub.add_parser("schema", help="write the JSON Schema of every MQTT message (the published wire contract)")

@@ -23,11 +23,11 @@ from pathlib import Path
 from controller.service import Controller, ControllerOptions
 from edge_node.toy_model import make_data, make_model
 from edge_node.worker_process import die_with_parent, free_port, stop_processes
-from xronos import wire
+from xronos.contract import wire
 from xronos.broker import EmbeddedBroker
-from xronos.errors import XronosError
-from xronos.job import JobOptions
-from xronos.mqtt import BrokerSettings
+from xronos.contract.errors import XronosError
+from xronos.contract.job import JobOptions
+from xronos.contract.mqtt import BrokerSettings
 from xronos.operator import submit
 from xronos.summary import print_report, print_side_by_side
 

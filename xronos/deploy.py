@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 from xronos.inventory import Device, Inventory, load_inventory, password_variable
 
 CONTAINER_PREFIX = "xronos-node-"

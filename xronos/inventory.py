@@ -35,8 +35,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, StringConstraints, ValidationError,
                       model_validator)
 
-from xronos.errors import XronosError
-from xronos.wire import Id
+from xronos.contract.errors import XronosError
+from xronos.contract.wire import Id
 
 Memory = Annotated[str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)?[bkmgBKMG]?$")]
 """Docker's memory notation: bytes, or a number with b, k, m or g (`768m`, `2g`)."""

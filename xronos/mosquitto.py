@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from edge_node.worker_process import free_port
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 ACL_FILE = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto" / "acl"
 

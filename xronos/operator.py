@@ -15,10 +15,10 @@ import uuid
 
 from pydantic import BaseModel
 
-from xronos import wire
-from xronos.errors import XronosError
-from xronos.mqtt import BrokerSettings, Bus
-from xronos.profiles import reference_layer_seconds
+from xronos.contract import wire
+from xronos.contract.errors import XronosError
+from xronos.contract.mqtt import BrokerSettings, Bus
+from xronos.contract.profiles import reference_layer_seconds
 
 
 def new_job_id() -> str:

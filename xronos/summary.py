@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from xronos.report import NodeReport, RunReport, describe_layout
-from xronos.splits import kv_label
+from xronos.contract.report import NodeReport, RunReport, describe_layout
+from xronos.contract.splits import kv_label
 
 
 def _mib(n: int) -> str:

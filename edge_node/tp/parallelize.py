@@ -22,8 +22,8 @@ from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParal
 from edge_node.tp.mappings import copy_to_tp
 from edge_node.tp.weight_grads import RowsWeightGradLaterLinear, WeightGradLaterLinear
 from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice, split_dim
-from xronos.errors import XronosError
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.errors import XronosError
+from xronos.contract.splits import ModelDims, ShardSplit
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.splits import ModelDims, ShardSplit
 
 Unit = Literal["q", "kv", "mlp", "vocab"]
 

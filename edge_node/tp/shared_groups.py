@@ -14,7 +14,7 @@ from torch import nn
 
 from edge_node.tp.comm import all_reduce
 from edge_node.tp.plan import param_slice
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.splits import ModelDims, ShardSplit
 
 
 def _is_group_param(name: str, split: ShardSplit, dims: ModelDims) -> bool:

@@ -21,7 +21,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
-from xronos.splits import ModelDims
+from xronos.contract.splits import ModelDims
 
 
 class ProfileShape(BaseModel):

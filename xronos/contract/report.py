@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from xronos.profiles import DeviceProfile
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.profiles import DeviceProfile
+from xronos.contract.splits import ModelDims, ShardSplit
 
 
 class ReplanCheck(BaseModel):

@@ -10,7 +10,7 @@ segment lasts as long as its slowest device:
     collectives = n_allreduce * max over participants (latency_j + MiB * per_mib_j)
                   * (1 + S * group MiB / activation MiB / n_allreduce)
 g_i counts KV groups, or a fraction of one: neighbouring ranks may share a
-group by rows of the micro-batch (see `xronos.splits`), at the price of one
+group by rows of the micro-batch (see `xronos.contract.splits`), at the price of one
 all-reduce per step of the S shared groups' gradients (costed like activation
 all-reduces of the same size, so it scales each device's collective cost).
 A component's fixed cost (per-call work that does not shrink with the share)
@@ -70,13 +70,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from xronos.errors import XronosError
-from xronos.profiles import (COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile, Segment,
+from xronos.contract.errors import XronosError
+from xronos.contract.profiles import (COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile, Segment,
                              attention_backward_seconds, attention_kept, attention_weight_grad_seconds, unit_costs,
                              weight_grad_costs,
                              vocab_weight_grad_seconds, weight_grad_seconds)
-from xronos.report import idle_seconds, mean_idle_ratio
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.report import idle_seconds, mean_idle_ratio
+from xronos.contract.splits import ModelDims, ShardSplit
 
 BYTES_PER_PARAM = 16
 """float32 parameter + gradient + two AdamW moments."""

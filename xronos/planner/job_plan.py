@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from controller.partitioner import device_compute, plan_partition, split_step_seconds
-from controller.pipeline_plan import plan_pipeline
-from controller.planning import even_split, split_for_mode
-from xronos.errors import XronosError
-from xronos.job import JobOptions
-from xronos.profiles import DeviceProfile
-from xronos.report import ExcludedDevice, RunReport
-from xronos.splits import ModelDims, ShardSplit
+from xronos.planner.partitioner import device_compute, plan_partition, split_step_seconds
+from xronos.planner.pipeline_plan import plan_pipeline
+from xronos.planner.planning import even_split, split_for_mode
+from xronos.contract.errors import XronosError
+from xronos.contract.job import JobOptions
+from xronos.contract.profiles import DeviceProfile
+from xronos.contract.report import ExcludedDevice, RunReport
+from xronos.contract.splits import ModelDims, ShardSplit
 
 
 class JobPlan(BaseModel):

@@ -1,4 +1,4 @@
-"""One MQTT client for every Xronos process, bound to the wire contract (`xronos.wire`).
+"""One MQTT client for every Xronos process, bound to the wire contract (`xronos.contract.wire`).
 
 paho-mqtt 2.x with callback API version 2, speaking MQTT 3.1.1 (the embedded
 amqtt broker speaks nothing newer; Mosquitto speaks it too). `Bus` publishes
@@ -25,8 +25,8 @@ import paho.mqtt.client as paho
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from xronos import wire
-from xronos.errors import XronosError
+from xronos.contract import wire
+from xronos.contract.errors import XronosError
 
 log = logging.getLogger("xronos.mqtt")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from xronos.errors import XronosError
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.errors import XronosError
+from xronos.contract.splits import ModelDims, ShardSplit
 
 def split_units(total: int, weights: list[float], block: int = 1) -> list[int]:
     """Split `total` into len(weights) integer parts proportional to `weights`.

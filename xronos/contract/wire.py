@@ -15,10 +15,10 @@ from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from xronos.job import JobOptions
-from xronos.profiles import DeviceProfile
-from xronos.report import RankResult, RunReport
-from xronos.splits import ModelDims, ShardSplit
+from xronos.contract.job import JobOptions
+from xronos.contract.profiles import DeviceProfile
+from xronos.contract.report import RankResult, RunReport
+from xronos.contract.splits import ModelDims, ShardSplit
 
 ROOT = "xronos"
 MAX_PAYLOAD_BYTES = 256 * 1024

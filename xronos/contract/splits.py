@@ -22,7 +22,7 @@ from itertools import accumulate
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, model_validator
 
-from xronos.errors import XronosError
+from xronos.contract.errors import XronosError
 
 
 def _block(total: int, preferred: int) -> int:

@@ -16,9 +16,9 @@ import itertools
 
 from pydantic import BaseModel
 
-from xronos.errors import XronosError
-from xronos.profiles import DeviceProfile, head_seconds, layer_seconds
-from xronos.splits import ModelDims
+from xronos.contract.errors import XronosError
+from xronos.contract.profiles import DeviceProfile, head_seconds, layer_seconds
+from xronos.contract.splits import ModelDims
 
 
 class PipelinePlan(BaseModel):
