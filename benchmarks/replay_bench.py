@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from xronos.planner.partitioner import (MeasuredCompute, _solve_members, best_split_with_attention, collective_seconds,
-                                    device_compute, plan_partition, replan, split_step_seconds)
+from xronos.planner.cost_model import collective_seconds, device_compute, split_step_seconds
+from xronos.planner.layouts import best_split_with_attention
+from xronos.planner.partitioner import solve_members, plan_partition
+from xronos.planner.replan import MeasuredCompute, replan
 from edge_node.model_io import load_config
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import RunReport, mean_idle_ratio
@@ -69,8 +71,8 @@ def main() -> None:
         report = RunReport.model_validate(raw)
         every = list(range(len(report.profiles)))
         coll = " ".join(f"{collective_seconds(p, dims) * 1e3:.0f}" for p in report.profiles)
-        all_in = _solve_members(report.profiles, dims, every, args.batch_size)[0]
-        without = _solve_members(report.profiles, dims, every[:-1], args.batch_size)[0]
+        all_in = solve_members(report.profiles, dims, every, args.batch_size)[0]
+        without = solve_members(report.profiles, dims, every[:-1], args.batch_size)[0]
         print(f"round {k + 1}: ran {report.split.describe()}, idle {report.idle_ratio:.1%}; collective ms/step {coll}; "
               f"predicted step, all devices {all_in:.3f} s, the last left out {without:.3f} s")
         final = final_profiles(report, dims, args.batch_size, args.seq_len)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from xronos.contract import wire
 from xronos.contract.errors import XronosError
 from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.contract.report import RankResult, build_report
+from xronos.contract.files import write_atomically
 
 log = logging.getLogger("xronos.controller")
 
@@ -353,9 +353,7 @@ class Controller:
         if self.o.state_dir is not None and status.finished:
             path = self.o.state_dir / "jobs" / f"{status.job_id}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(status.model_dump_json(indent=2))
-            os.replace(tmp, path)
+            write_atomically(path, status.model_dump_json(indent=2))
 
     def _load_state(self) -> None:
         if self.o.state_dir is None:

@@ -41,6 +41,7 @@ from xronos.contract.job import JobOptions
 from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.contract.profiles import REFERENCE_BATCH, REFERENCE_CONFIG, REFERENCE_SEQ, DeviceProfile
 from xronos.contract.report import LocalAssignment, RankResult
+from xronos.contract.files import write_atomically
 
 log = logging.getLogger("xronos.node")
 
@@ -227,9 +228,7 @@ class NodeAgent:
         job.rank = a.rank
         plan = LocalAssignment(ranks=[a.rank], split=a.split, profiles=a.profiles, stages=a.stages,
                                micro_batches=a.micro_batches, master_addr=a.master_addr, master_port=a.master_port)
-        tmp = job.file("plan.json.tmp")
-        tmp.write_text(plan.model_dump_json())
-        tmp.replace(job.file("plan.json"))
+        write_atomically(job.file("plan.json"), plan.model_dump_json())
         if a.rank is None:
             log.info("job %s leaves this node out", a.job_id)
             self._end_job()

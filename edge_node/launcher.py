@@ -33,6 +33,7 @@ from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import LocalAssignment, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims
+from xronos.contract.files import write_atomically
 
 def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None, tick=None) -> None:
     """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause.
@@ -79,12 +80,6 @@ class _MetricsFeed:
         self.metrics.memory(worker_pid)
         for line in self.progress.new_lines():
             self.metrics.step(self.job_id, line)
-
-
-def _write_json(path: Path, model) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(model.model_dump_json())
-    os.replace(tmp, path)
 
 
 def run_local(
@@ -178,7 +173,7 @@ def run_local(
                 worker.rank = rank
             assignment = LocalAssignment(ranks=plan.ranks, split=split, profiles=plan.profiles, stages=stages,
                                          micro_batches=plan.micro_batches)
-            _write_json(run_dir / "plan.json", assignment)
+            write_atomically(run_dir / "plan.json", assignment.model_dump_json())
         _watch(workers, Path(job.output), tick=tick)
         if tick is not None:
             tick()

@@ -41,6 +41,7 @@ from edge_node.tp.weight_grads import WEIGHT_GRADS, linear_weight_grad_later, we
 from xronos.contract.errors import XronosError
 from xronos.contract.profiles import DeviceProfile, ProfileShape
 from xronos.contract.splits import ModelDims
+from xronos.contract.files import write_atomically
 
 def _variant(config, dims: ModelDims, layers: int, groups: int, mlp: int, vocab: int):
     c = copy.deepcopy(config)
@@ -309,7 +310,5 @@ def profile_device(
     )
     if use_cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(profile.model_dump_json())
-        os.replace(tmp, cache)
+        write_atomically(cache, profile.model_dump_json())
     return profile

@@ -126,7 +126,7 @@ class Trainer:
         the others do); without profiles (mode tp does not profile), rank 0. `auto` times
         both algorithms at the size of an activation and keeps the faster.
         """
-        from xronos.planner.partitioner import collective_seconds
+        from xronos.planner.cost_model import collective_seconds
 
         profiles = self.spec.profiles
         costs = [collective_seconds(p, self.dims) for p in profiles] if profiles else [0.0]
@@ -277,7 +277,7 @@ class Trainer:
         match; a changed split is applied in memory, the slices that change hands sent
         rank to rank (`reshard`).
         """
-        from xronos.planner.partitioner import MeasuredCompute, replan
+        from xronos.planner.replan import MeasuredCompute, replan
 
         self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
@@ -310,8 +310,8 @@ class Trainer:
         self.replans[-1] = self.replans[-1].model_copy(update={"reshard_seconds": time.perf_counter() - started})
 
     def min_replan_gain(self, step_seconds: float) -> float:
-        """The gain this check needs to re-shard (`xronos.planner.partitioner.min_replan_gain`)."""
-        from xronos.planner.partitioner import min_replan_gain
+        """The gain this check needs to re-shard (`xronos.planner.replan.min_replan_gain`)."""
+        from xronos.planner.replan import min_replan_gain
 
         last = self.replans[-1] if self.replans else None
         kept_gain = last.predicted_gain if last is not None and last.new_split is None else None

@@ -9,7 +9,6 @@ A user error exits 2 with one line on stderr; anything else is a traceback
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from edge_node.model_io import load_config, model_class
 from edge_node.trainer import Trainer, WorkerSpec
 from xronos.contract.errors import XronosError
 from xronos.contract.report import LocalAssignment
+from xronos.contract.files import write_atomically
 
 
 def import_before_quota(spec: WorkerSpec) -> None:
@@ -30,7 +30,7 @@ def import_before_quota(spec: WorkerSpec) -> None:
     model_class(load_config(spec.job.model))
     modules = ["edge_node.profiler"]
     modules += ["edge_node.pipeline"] if spec.job.mode == "pp" else []
-    modules += ["xronos.planner.partitioner"] if spec.job.mode == "xronos" else []
+    modules += ["xronos.planner.replan"] if spec.job.mode == "xronos" else []
     for module in modules:
         importlib.import_module(module)
 
@@ -45,9 +45,7 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
         load_config(job.model), job.batch_size // job.grad_accum, job.seq_len, spec.threads,
         device=spec.name or f"device-{spec.device}", speed_hint=spec.speed_hint, memory_bytes=spec.memory_bytes,
     )
-    tmp = Path(f"{spec.profile_file}.tmp")
-    tmp.write_text(profile.model_dump_json())
-    os.replace(tmp, spec.profile_file)
+    write_atomically(spec.profile_file, profile.model_dump_json())
     if spec.plan_file is None:  # profiling was all that was asked
         return None
     plan = Path(spec.plan_file)

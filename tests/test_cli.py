@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -179,7 +178,7 @@ def test_bench_json_keeps_every_round(model_dir, data_file, tmp_path, capsys):
 
 
 def test_split_marks_the_ranks_whose_weight_gradients_come_later():
-    from xronos.cli import parse_split
+    from xronos.contract.splits import parse_split
 
     assert parse_split("kv=2/1/0,mlp=896/384/256*,vocab=1/2/3") == {
         "weight_grads_later": [False, False, True], "kv_groups": [2, 1, 0], "mlp_columns": [896, 384, 256],
@@ -190,9 +189,9 @@ def test_split_marks_the_ranks_whose_weight_gradients_come_later():
     assert parse_split("kv=2/1/0,mlp=896/384/256,vocab=512/256*64/256*256") == {
         "kv_groups": [2, 1, 0], "mlp_columns": [896, 384, 256], "vocab_rows_later": [0, 64, 256],
         "vocab_rows": [512, 256, 256]}
-    with pytest.raises(argparse.ArgumentTypeError, match="a vocabulary size's mark is"):
+    with pytest.raises(ValueError, match="a vocabulary size's mark is"):
         parse_split("kv=2/1/0,mlp=896/384/256,vocab=1/2*/3")
-    with pytest.raises(argparse.ArgumentTypeError, match="only kv, mlp and vocab sizes take a"):
+    with pytest.raises(ValueError, match="only kv, mlp and vocab sizes take a"):
         parse_split("layers=2*/1")
     with pytest.raises(ValueError, match="exceeds its 2 vocabulary rows"):
         ShardSplit(kv_groups=[1, 1], mlp_columns=[1, 1], vocab_rows=[1, 2], vocab_rows_later=[0, 3])

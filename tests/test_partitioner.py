@@ -8,19 +8,10 @@ import random
 
 import pytest
 
-from xronos.planner.partitioner import (
-    ROW_SHARE_MIN_GAIN,
-    _solve_members,
-    collective_seconds,
-    plan_partition,
-    recalibrate,
-    segments,
-    shared_grad_seconds,
-    split_step_seconds,
-    step_seconds,
-    unit_bytes,
-    vocab_later_seconds,
-)
+from xronos.planner.cost_model import collective_seconds, segments, shared_grad_seconds, split_step_seconds, step_seconds, unit_bytes, vocab_later_seconds
+from xronos.planner.layouts import ROW_SHARE_MIN_GAIN
+from xronos.planner.partitioner import solve_members, plan_partition
+from xronos.planner.replan import recalibrate
 from xronos.cli import main
 from xronos.contract.profiles import (COMPUTE_FIELDS, DeviceProfile, ProfileShape, attention_backward_seconds,
                              attention_weight_grad_seconds, weight_grad_seconds)
@@ -143,7 +134,7 @@ def test_row_shared_attention_against_brute_force():
                     for i, f in enumerate((1, rng.uniform(1.5, 2.5), rng.uniform(3, 5)))]
         plan = plan_partition(profiles, DIMS3, 3, 8)
         members = [i for i, d in enumerate(plan.devices) if d.rank is not None]
-        bound = _solve_members(profiles, DIMS3, members, 3, whole_groups=True)[0]
+        bound = solve_members(profiles, DIMS3, members, 3, whole_groups=True)[0]
         assert bound <= plan.predicted_step_seconds * (1 + 1e-12)
         assert plan.predicted_step_seconds == pytest.approx(
             split_step_seconds([profiles[i] for i in members], DIMS3, plan.split), rel=1e-9)
@@ -292,7 +283,8 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
 def measured_on(truth, split, dims=DIMS, apart=True):
     """What a job on `split` measures per micro-step if its devices run at the paces of `truth`:
     compute in all, and (`apart`) in its attention, MLP and vocabulary segments."""
-    from xronos.planner.partitioner import MeasuredCompute, device_compute, segment_compute
+    from xronos.planner.cost_model import device_compute
+    from xronos.planner.replan import MeasuredCompute, segment_compute
 
     out = []
     for r, (t, share) in enumerate(zip(truth, split.shares())):
@@ -307,13 +299,14 @@ def test_repeated_replans_converge_on_the_measured_pace():
     profiles the last one recalibrated, so the split converges to the one planned with the
     true paces (the error factor f shrinks as f**((1 - RECALIBRATION_STEP)**k)), to within
     the gain a re-shard must promise."""
-    from xronos.planner.partitioner import MIN_REPLAN_GAIN, device_compute, recalibrate, replan
+    from xronos.planner.cost_model import device_compute
+    from xronos.planner.replan import MIN_REPLAN_GAIN, recalibrate, replan
 
     rng = random.Random(7)
     profiles = [profile(i, rng) for i in range(3)]
     truth = [recalibrate(p, f) for p, f in zip(profiles, (0.5, 1.8, 1.1))]
     members = [0, 1, 2]
-    best, _, *shares = _solve_members(truth, DIMS, members)
+    best, _, *shares = solve_members(truth, DIMS, members)
     split = plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split
     current = profiles
     for _ in range(8):
@@ -333,7 +326,7 @@ def test_replans_calibrate_attention_and_mlp_apart():
     and its MLP 10% slow, another's the reverse. Re-plans fed each rank's attention and MLP
     segments (as `edge_node.tp.comm` measures them) reach the split of the true paces; fed the
     totals alone, they scale each device as a whole and stop further off."""
-    from xronos.planner.partitioner import MIN_REPLAN_GAIN, calibration_factors, recalibrate, replan
+    from xronos.planner.replan import MIN_REPLAN_GAIN, calibration_factors, recalibrate, replan
 
     dims = ModelDims(hidden_size=24, num_layers=4, num_heads=6, num_kv_heads=3, head_dim=4,
                      intermediate_size=24, vocab_size=16, tie_word_embeddings=False)
@@ -345,7 +338,7 @@ def test_replans_calibrate_attention_and_mlp_apart():
              for i, v in enumerate((0.65, 0.52, 0.43))]
     profiles = [recalibrate(t, 1.0, {"kv_groups": a, "mlp_columns": m})
                 for t, (a, m) in zip(truth, ((0.75, 1.1), (1.3, 0.9), (1, 1)))]
-    best = _solve_members(truth, dims, [0, 1, 2])[0]
+    best = solve_members(truth, dims, [0, 1, 2])[0]
     first = plan_partition(profiles, dims, 2, 8).split
     # one check's factors: the component the profile made too fast is measured slower, relative to the other
     factors = calibration_factors(profiles, dims, first, measured_on(truth, first, dims))
@@ -367,7 +360,7 @@ def test_the_best_split_beside_a_fixed_attention_is_the_plans_beside_its_own():
     """`best_split_with_attention` prices a layout the plan did not choose (benchmarks/replay_bench.py):
     beside the plan's own whole-group attention it gives the plan's split, and beside any layout it
     keeps that layout."""
-    from xronos.planner.partitioner import best_split_with_attention
+    from xronos.planner.layouts import best_split_with_attention
 
     same = 0
     for seed in range(20):
@@ -389,7 +382,7 @@ def test_the_plan_takes_the_best_whole_group_layout_and_the_least_idle_near_it()
     whole-group layout, not only beside the min-max ones (with only those two priced, some of these
     plans miss a shorter layout). With IDLE_TOLERANCE the plan
     may take a layout up to that much longer, and then only one that idles less."""
-    from xronos.planner.partitioner import IDLE_TOLERANCE, best_split_with_attention
+    from xronos.planner.layouts import IDLE_TOLERANCE, best_split_with_attention
 
     changed = 0
     for seed in range(40):
@@ -538,8 +531,8 @@ def test_a_gain_two_checks_agree_on_reshards_below_the_threshold():
     """A re-plan that finds the best split 2% shorter keeps the split (under MIN_REPLAN_GAIN); the
     next check, told the one before kept a gain of 2%, re-shards to that split, unless a re-shard
     would not pay back its seconds over the steps left."""
-    from xronos.planner.partitioner import (CONFIRMED_REPLAN_GAIN, MIN_REPLAN_GAIN, MeasuredCompute, device_compute,
-                                        min_replan_gain, replan)
+    from xronos.planner.cost_model import device_compute
+    from xronos.planner.replan import CONFIRMED_REPLAN_GAIN, MIN_REPLAN_GAIN, MeasuredCompute, min_replan_gain, replan
 
     rng = random.Random(3)
     profiles = [profile(i, rng) for i in range(3)]

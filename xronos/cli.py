@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from xronos import __version__
 from xronos.contract.errors import XronosError
 from xronos.contract.job import MODES
-from xronos.contract.splits import WEIGHT_GRADS_LATER
+from xronos.contract.splits import parse_split
 
 
 def _numbers(text: str, kind=float) -> list:
@@ -53,42 +53,11 @@ def _fraction(text: str) -> float:
     return value
 
 
-SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows", "layers": "layers"}
-
-
-def parse_split(text: str) -> dict[str, list]:
-    """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}.
-
-    `layers=2/1/1` gives a pipeline's layers per stage (mode pp); `mlp=128/64*/0*` marks the
-    ranks whose MLP weight gradients come later, `kv=1/1/1*` those whose attention's do, and
-    `vocab=512/256*64/256` how many of a rank's vocabulary rows' do (as `xronos plan` prints them).
-    """
-    out = {}
-    for item in text.split(","):
-        key, _, values = item.partition("=")
-        dim = SPLIT_KEYS.get(key.strip())
-        if "*" in item and dim not in WEIGHT_GRADS_LATER:
-            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: only kv, mlp and vocab sizes take a * mark")
-        if "*" in item and dim == "vocab_rows":
-            try:
-                out[WEIGHT_GRADS_LATER[dim]] = [int(v.partition("*")[2]) if "*" in v else 0 for v in values.split("/")]
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"bad --split item {item!r}: a vocabulary size's mark is *ROWS (rows whose weight "
-                    "gradients come later)") from None
-            values = "/".join(v.partition("*")[0] for v in values.split("/"))
-        elif "*" in item:
-            out[WEIGHT_GRADS_LATER[dim]] = [v.endswith("*") for v in values.split("/")]
-        values = values.replace("*", "")
-        if key.strip() not in SPLIT_KEYS or not values:
-            raise argparse.ArgumentTypeError(
-                f"bad --split item {item!r}: use kv=A/B/..., mlp=A/B/..., vocab=A/B/... separated by commas"
-            )
-        try:
-            out[SPLIT_KEYS[key.strip()]] = [int(v) for v in values.split("/")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad --split item {item!r}: sizes must be integers") from None
-    return out
+def _split(text: str) -> dict[str, list]:
+    try:
+        return parse_split(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"bad --split {err}") from None
 
 
 def _add_job_options(p: argparse.ArgumentParser) -> None:
@@ -401,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=int, default=3, help="number of emulated devices")
     run.add_argument("--speeds", type=_numbers, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
     run.add_argument("--mode", choices=MODES, default="xronos")
-    run.add_argument("--split", type=parse_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)")
+    run.add_argument("--split", type=_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)")
     run.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     run.add_argument("--report", help="write the JSON report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -418,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--idle-tolerance", type=_fraction, default=None, metavar="FRACTION",
                       help="take the least idle attention layout whose step is within this of the shortest "
-                           "(default: the job's, xronos.planner.partitioner.IDLE_TOLERANCE; 0: the shortest)")
+                           "(default: the job's, xronos.planner.layouts.IDLE_TOLERANCE; 0: the shortest)")
     plan.set_defaults(func=cmd_plan)
 
     schema = sub.add_parser("schema", help="write the JSON Schema of every MQTT message (the published wire contract)")

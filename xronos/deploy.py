@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from xronos.contract.errors import XronosError
 from xronos.inventory import Device, Inventory, load_inventory, password_variable
+from xronos.contract.files import write_atomically
 
 CONTAINER_PREFIX = "xronos-node-"
 LABELS = {"role": "io.xronos.role", "node": "io.xronos.node-id", "device": "io.xronos.device"}
@@ -281,9 +282,7 @@ def targets(devices: list[Device]) -> list[dict]:
 def write_targets(path: Path, devices: list[Device]) -> None:
     """Written whole and renamed into place: Prometheus never reads half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(targets(devices), indent=2) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(targets(devices), indent=2) + "\n")
 
 
 def describe(inventory: Inventory, device: Device) -> list[str]:

@@ -235,3 +235,42 @@ class ShardSplit(BaseModel):
             f"{label} {'/'.join(map(str, parts))}"
             for label, parts in (("kv", kv), ("mlp", mlp), ("vocab", vocab))
         )
+
+
+SPLIT_KEYS = {"kv": "kv_groups", "mlp": "mlp_columns", "vocab": "vocab_rows", "layers": "layers"}
+
+
+def parse_split(text: str) -> dict[str, list]:
+    """'kv=5/2/1,mlp=128/64/0' -> {'kv_groups': [5, 2, 1], 'mlp_columns': [128, 64, 0]}: the text form
+    `ShardSplit.describe` prints (with ',' for ' · ' and '=' for ' '), any dimension left out.
+
+    `layers=2/1/1` gives a pipeline's layers per stage (mode pp); `mlp=128/64*/0*` marks the
+    ranks whose MLP weight gradients come later, `kv=1/1/1*` those whose attention's do, and
+    `vocab=512/256*64/256` how many of a rank's vocabulary rows' do (as `xronos plan` prints them).
+    """
+    out = {}
+    for item in text.split(","):
+        key, _, values = item.partition("=")
+        dim = SPLIT_KEYS.get(key.strip())
+        if "*" in item and dim not in WEIGHT_GRADS_LATER:
+            raise ValueError(f"item {item!r}: only kv, mlp and vocab sizes take a * mark")
+        if "*" in item and dim == "vocab_rows":
+            try:
+                out[WEIGHT_GRADS_LATER[dim]] = [int(v.partition("*")[2]) if "*" in v else 0 for v in values.split("/")]
+            except ValueError:
+                raise ValueError(
+                    f"item {item!r}: a vocabulary size's mark is *ROWS (rows whose weight "
+                    "gradients come later)") from None
+            values = "/".join(v.partition("*")[0] for v in values.split("/"))
+        elif "*" in item:
+            out[WEIGHT_GRADS_LATER[dim]] = [v.endswith("*") for v in values.split("/")]
+        values = values.replace("*", "")
+        if key.strip() not in SPLIT_KEYS or not values:
+            raise ValueError(
+                f"item {item!r}: use kv=A/B/..., mlp=A/B/..., vocab=A/B/... separated by commas"
+            )
+        try:
+            out[SPLIT_KEYS[key.strip()]] = [int(v) for v in values.split("/")]
+        except ValueError:
+            raise ValueError(f"item {item!r}: sizes must be integers") from None
+    return out

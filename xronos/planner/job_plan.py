@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from xronos.planner.partitioner import device_compute, plan_partition, split_step_seconds
+from xronos.planner.cost_model import device_compute, split_step_seconds
+from xronos.planner.partitioner import plan_partition
 from xronos.planner.pipeline_plan import plan_pipeline
 from xronos.planner.planning import even_split, split_for_mode
 from xronos.contract.errors import XronosError
