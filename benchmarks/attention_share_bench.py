@@ -38,7 +38,7 @@ import torch  # imported here, before a worker joins its quota: startup is not w
 from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
-from edge_node.profiler import _mean_seconds, _training_step, _variant
+from edge_node.profiler import mean_seconds, training_step, model_variant
 from xronos.contract.splits import ModelDims
 
 HEADS_PER_GROUP = 3
@@ -70,15 +70,15 @@ def time_variants(model_dir: str, batch: int, seq_len: int) -> dict[str, float]:
     seconds = {}
     for name, (groups, heads, rows, _) in VARIANTS.items():
         shaped = dims.model_copy(update={"num_heads": groups * heads, "num_kv_heads": groups})
-        model = _variant(config, shaped, 1, groups, dims.mlp_block, 8).model
+        model = model_variant(config, shaped, 1, groups, dims.mlp_block, 8).model
         layer = model.layers[0]
         h = torch.randn(rows or batch, seq_len, dims.hidden_size, requires_grad=True)
         positions = torch.arange(seq_len).unsqueeze(0)
         mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions)
         rope = model.rotary_emb(h, position_ids=positions)
-        step = _training_step(lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
+        step = training_step(lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
                               list(layer.self_attn.parameters()))
-        seconds[name] = min(_mean_seconds({name: step})[name] for _ in range(3))
+        seconds[name] = min(mean_seconds({name: step})[name] for _ in range(3))
     return seconds
 
 

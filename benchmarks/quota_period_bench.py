@@ -27,15 +27,15 @@ CHILD = """
 import statistics, sys, time, torch
 from edge_node.cpu_quota import join_quota
 from edge_node.model_io import load_config
-from edge_node.profiler import _training_step, _variant
+from edge_node.profiler import training_step, model_variant
 from xronos.contract.splits import ModelDims
 torch.set_num_threads(1)
 config = load_config(sys.argv[1]); dims = ModelDims.from_config(config)
 if sys.argv[2] != "none":
     join_quota(sys.argv[2])
 h = torch.randn(4, 128, dims.hidden_size, requires_grad=True)
-mlp = _variant(config, dims, 1, 1, 3 * dims.mlp_block, 8).model.layers[0].mlp
-step = _training_step(lambda: mlp(h), list(mlp.parameters()))
+mlp = model_variant(config, dims, 1, 1, 3 * dims.mlp_block, 8).model.layers[0].mlp
+step = training_step(lambda: mlp(h), list(mlp.parameters()))
 for _ in range(3):
     step()
 for pause in (0, 0.005, 0.02, 0.05):

@@ -43,7 +43,7 @@ from xronos.contract.profiles import DeviceProfile, ProfileShape
 from xronos.contract.splits import ModelDims
 from xronos.contract.files import write_atomically
 
-def _variant(config, dims: ModelDims, layers: int, groups: int, mlp: int, vocab: int):
+def model_variant(config, dims: ModelDims, layers: int, groups: int, mlp: int, vocab: int):
     c = copy.deepcopy(config)
     c.num_hidden_layers = layers
     c.num_key_value_heads, c.num_attention_heads, c.head_dim = groups, groups * dims.heads_per_group, dims.head_dim
@@ -68,7 +68,7 @@ def _window(run) -> tuple[float, int]:
     return time.perf_counter() - start, reps
 
 
-def _mean_seconds(runs: dict[str, object]) -> dict[str, float]:
+def mean_seconds(runs: dict[str, object]) -> dict[str, float]:
     """Each `run()`'s mean wall time per call after one warm-up, over WINDOWS windows.
 
     The windows take turns across the runs (a, b, c, a, b, c), so a passing disturbance
@@ -99,7 +99,7 @@ class _Parts:
         return part / self.total if self.total > 0 else 0.0
 
 
-def _training_step(forward, params: list[torch.Tensor], parts: _Parts | None = None):
+def training_step(forward, params: list[torch.Tensor], parts: _Parts | None = None):
     """forward + backward + AdamW update of one component, in isolation (timed in `parts`)."""
     opt = adamw(params, lr=1e-6)
     parts = parts or _Parts()
@@ -253,36 +253,36 @@ def profile_device(
     runs = {}
     parts = {"attention-share": _Parts(), "mlp-share": _Parts(), "vocab-share": _Parts()}  # read at the share
     for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
-        model = _variant(config, dims, 1, g, m * dims.mlp_block, 8)
+        model = model_variant(config, dims, 1, g, m * dims.mlp_block, 8)
         layer = model.model.layers[0]
         mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
                                   position_ids=position_ids)
         rope = model.model.rotary_emb(h, position_ids=position_ids)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # timed as a rank that defers them runs them
             setattr(layer.self_attn, name, weight_grads_later(getattr(layer.self_attn, name)))
-        runs[f"attention-{size}"] = _training_step(
+        runs[f"attention-{size}"] = training_step(
             lambda layer=layer, rope=rope, mask=mask:
                 layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
             list(layer.self_attn.parameters()), parts.get(f"attention-{size}"))
         for name in ("gate_proj", "up_proj", "down_proj"):  # as on a rank whose weight gradients come later
             setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name)))
-        runs[f"mlp-{size}"] = _training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()),
+        runs[f"mlp-{size}"] = training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()),
                                              parts.get(f"mlp-{size}"))
         # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows,
         # whose weight-gradient product is timed apart (as a rank that computes it later runs it).
         head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02)
         embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
         ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
-        runs[f"vocab-{size}"] = _training_step(
+        runs[f"vocab-{size}"] = training_step(
             lambda head=head, embed=embed, ids=ids:
                 causal_lm_loss(linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None),
                                ids, 0),
             list({id(p): p for p in (head, embed)}.values()), parts.get(f"vocab-{size}"))
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]  # the same in either size
-    runs["norms"] = _training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h, norms)
+    runs["norms"] = training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h, norms)
     payload = micro_batch * seq_len * dims.hidden_size * 4
     with _Exchange(payload // 16) as small_exchange, _Exchange(payload) as large_exchange:
-        seconds = _mean_seconds(runs | {"small": small_exchange, "large": large_exchange})
+        seconds = mean_seconds(runs | {"small": small_exchange, "large": large_exchange})
 
     kv_fixed, per_group = fit_fixed_and_per_unit(seconds["attention-unit"], seconds["attention-share"], groups)
     mlp_fixed, per_mlp = fit_fixed_and_per_unit(seconds["mlp-unit"], seconds["mlp-share"], mlp_blocks)
