@@ -29,13 +29,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from xronos.planner.job_plan import JobPlan, plan_job, with_predictions
+from xronos.planner.job_plan import JobPlan, plan_job, planned_report
 from controller.metrics import ControllerMetrics
 from controller.registry import Registry
 from xronos.contract import wire
 from xronos.contract.errors import XronosError
 from xronos.contract.mqtt import BrokerSettings, Bus
-from xronos.contract.report import RankResult, build_report
+from xronos.contract.report import RankResult
 from xronos.contract.files import write_atomically
 
 log = logging.getLogger("xronos.controller")
@@ -319,9 +319,7 @@ class Controller:
         dims = job.profiles[job.nodes[0]].dims
         speeds = [job.profiles[n].profile.speed_hint for n in job.nodes]
         results = [job.results[n] for n in job.members]
-        report = build_report(options.mode, plan.split, [speeds[d] for d in plan.members], results,
-                              plan.members, plan.predicted, stages=plan.stages, dims=dims)
-        report = with_predictions(report, options, dims, plan, [job.profiles[n].profile for n in job.nodes], speeds)
+        report = planned_report(options, dims, plan, [job.profiles[n].profile for n in job.nodes], speeds, results)
         report = report.model_copy(update={
             "nodes": [n.model_copy(update={"name": job.nodes[n.device]}) for n in report.nodes],
             "excluded": [e.model_copy(update={"name": job.nodes[e.device]}) for e in report.excluded]})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from xronos.planner.job_plan import plan_job, with_predictions
+from xronos.planner.job_plan import plan_job, planned_report
 from xronos.planner.planning import split_for_mode
 from edge_node.cpu_quota import make_quota, pack_cores, start_under
 from edge_node.data import load_rows
@@ -178,11 +178,10 @@ def run_local(
         if tick is not None:
             tick()
         results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
-        report = build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
-                              stages=stages, dims=dims)
         if plan is not None:
-            report = with_predictions(report, job, dims, plan, profiles, device_speeds)
-        return report
+            return planned_report(job, dims, plan, profiles, device_speeds, results)
+        return build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
+                            stages=stages, dims=dims)
     finally:
         stop_all(workers)
         for feed in feeds:

@@ -18,7 +18,7 @@ from xronos.planner.planning import even_split, split_for_mode
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
-from xronos.contract.report import ExcludedDevice, RunReport
+from xronos.contract.report import ExcludedDevice, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims, ShardSplit
 
 
@@ -82,6 +82,16 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
         predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, split.shares())],
         predicted_step_seconds=split_step_seconds(profiles, dims, split) * job.grad_accum,
     )
+
+
+def planned_report(job: JobOptions, dims: ModelDims, plan: JobPlan, profiles: list[DeviceProfile],
+                   speeds: list[float | None], results: list[RankResult]) -> RunReport:
+    """The report of a job that ran `plan` (both front ends: `xronos run` and the controller): what the
+    ranks measured (`results`, rank order), with what the plan predicted and who it left out.
+    `profiles` and `speeds` are per device, in the order the plan was made."""
+    report = build_report(job.mode, plan.split, [speeds[d] for d in plan.members], results, plan.members,
+                          plan.predicted, stages=plan.stages, dims=dims)
+    return with_predictions(report, job, dims, plan, profiles, speeds)
 
 
 def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: JobPlan,
