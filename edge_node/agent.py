@@ -32,10 +32,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from edge_node.cpu_quota import make_quota, start_under
 from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
-from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, stop_all
+from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all
 from xronos.contract import wire
 from xronos.contract.job import JobOptions
 from xronos.contract.mqtt import BrokerSettings, Bus
@@ -207,21 +206,15 @@ class NodeAgent:
     def _start_worker(self, job: _Job, options: JobOptions, plan: bool) -> None:
         from edge_node.trainer import WorkerSpec
 
-        if self.o.speed is not None:
-            job.quota = make_quota(f"xronos-node-{self.id}-{job.id}", self.o.speed)
         spec = WorkerSpec(
             job=options, device=0, name=self.id, speed_hint=self.o.speed, memory_bytes=available_memory_bytes(),
             profile_file=str(job.file("profile.json")), plan_file=str(job.file("plan.json")) if plan else None,
             rows_file=str(job.file("rows.safetensors")), result_file=str(job.file("result.json")),
             progress_file=str(job.file("progress.jsonl")), threads=self.o.threads,
-            quota_file=job.quota and job.quota.procs_file,
         )
-        job.file("spec.json").write_text(spec.model_dump_json())
-        loopback = self._address().startswith("127.")
-        job.worker = WorkerProcess(0, job.file("spec.json"), job.file("worker.log"), echo=False,
-                                   threads=self.o.threads, loopback=loopback)
-        if job.quota is not None:
-            start_under(job.quota, job.worker.proc.pid)
+        job.worker, job.quota = start_worker(spec, job.file("spec.json"), job.file("worker.log"), self.o.speed,
+                                             f"xronos-node-{self.id}-{job.id}", threads=self.o.threads,
+                                             loopback=self._address().startswith("127."))
 
     def _train(self, a: wire.Assignment) -> None:
         job = self.job

@@ -21,13 +21,13 @@ from safetensors.torch import save_file
 
 from xronos.planner.job_plan import plan_job, planned_report
 from xronos.planner.planning import split_for_mode
-from edge_node.cpu_quota import make_quota, pack_cores, start_under
+from edge_node.cpu_quota import pack_cores
 from edge_node.data import load_rows
 from edge_node.memory import available_memory_bytes
 from edge_node.model_io import load_config
 from edge_node.trainer import WorkerSpec
 from edge_node.metrics import NodeMetrics
-from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, stop_all
+from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
@@ -137,10 +137,6 @@ def run_local(
         throttled = None not in device_speeds
         cpus = pack_cores(device_speeds, len(os.sched_getaffinity(0))) if throttled else None
         for device in range(n_workers):
-            quota = None
-            if device_speeds[device] is not None:
-                quota = make_quota(f"xronos-{run_id}-d{device}", device_speeds[device])
-                quotas.append(quota)
             spec = WorkerSpec(
                 job=job, device=device, speed_hint=device_speeds[device], memory_bytes=memory,
                 rank=None if profiled else device, split=split, stages=stages,
@@ -149,17 +145,16 @@ def run_local(
                 plan_file=str(run_dir / "plan.json") if profiled else None,
                 master_port=port, rows_file=str(run_dir / "rows.safetensors"),
                 result_file=str(run_dir / f"result-{device}.json"), threads=threads,
-                show_progress=show_progress and device == 0, quota_file=quota and quota.procs_file,
+                show_progress=show_progress and device == 0,
                 progress_file=str(run_dir / f"progress-{device}.jsonl") if metrics_port is not None else None,
             )
-            spec_file = run_dir / f"spec-{device}.json"
-            spec_file.write_text(spec.model_dump_json())
-            worker = WorkerProcess(device, spec_file, run_dir / f"device-{device}.log", echo=show_progress and device == 0,
-                                   threads=threads, cpus=cpus[device] if cpus else None)
+            worker, quota = start_worker(spec, run_dir / f"spec-{device}.json", run_dir / f"device-{device}.log",
+                                         device_speeds[device], f"xronos-{run_id}-d{device}",
+                                         echo=show_progress and device == 0, threads=threads,
+                                         cpus=cpus[device] if cpus else None)
             worker.rank = None if profiled else device
             workers.append(worker)
-            if quota is not None:
-                start_under(quota, worker.proc.pid)
+            quotas += [quota] if quota is not None else []
 
         tick = (lambda: [feed.read(w.proc.pid) for feed, w in zip(feeds, workers)]) if feeds else None
         devices, predicted, plan = list(range(n_workers)), None, None

@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from edge_node.cpu_quota import make_quota, start_under
+
 
 PR_SET_PDEATHSIG = 1
 
@@ -89,6 +91,30 @@ class WorkerProcess:
         why = last_error(list(self.tail))
         who = f"worker for device {self.device}" if self.rank is None else f"worker rank {self.rank}"
         return f"{who} {how}" + (f": {why}" if why else "")
+
+
+def start_worker(spec, spec_file: Path, log_file: Path, speed: float | None, quota_name: str, echo: bool = False,
+                 threads: int = 1, loopback: bool = True, cpus: set[int] | None = None):
+    """Start a worker for `spec` (a `edge_node.trainer.WorkerSpec`) under a CPU quota of `speed` (None: none);
+    returns the worker and its quota, which the caller closes when the worker is done.
+
+    The one way `xronos run` and the node agent start workers: the quota is made first, its
+    procs file goes into the spec (the worker joins it once its imports are done), and the
+    process is put under it at once (the duty-cycle fallback throttles from outside).
+    """
+    quota = make_quota(quota_name, speed) if speed is not None else None
+    try:
+        spec = spec.model_copy(update={"quota_file": quota.procs_file if quota is not None else None})
+        spec_file.write_text(spec.model_dump_json())
+        worker = WorkerProcess(spec.device, spec_file, log_file, echo=echo, threads=threads, loopback=loopback,
+                               cpus=cpus)
+        if quota is not None:
+            start_under(quota, worker.proc.pid)
+    except BaseException:
+        if quota is not None:
+            quota.close()
+        raise
+    return worker, quota
 
 
 EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))\b(?::(.*))?$")
