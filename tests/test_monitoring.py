@@ -24,6 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from edge_node.toy_model import make_data, make_model
 from edge_node.worker_process import free_port, stop_processes
 from xronos.mosquitto import Mosquitto
 from live_cluster import train_by_command, wait_for, xronos_process
@@ -33,7 +34,10 @@ PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 GRAFANA_DIR = REPO / "deploy" / "grafana"
 NODES = {"fast": 1.0, "mid": 0.5, "slow": 0.25}
 USERS = {"controller": "ctl-pw", "operator": "op-pw", **{n: f"{n}-pw" for n in NODES}}
-STEPS, SEQ_LEN = 10, 16
+STEPS, SEQ_LEN, BATCH = 10, 64, 8
+MODEL = dict(hidden=256, layers=2, heads=8, kv_heads=4, intermediate=1024, vocab=320, tie=True)
+"""Big enough that the work between two all-reduces (about 10 ms on a full core) far exceeds a 0.25
+quota's 1 ms per 4 ms period: smaller pieces fit in one period's quota and a slow device is not slower."""
 GRAFANA_VARIABLES = {"$node": ".*", "$job": ".*", "$__rate_interval": "5s"}
 
 
@@ -161,10 +165,12 @@ def prom(url: str, path: str, **params) -> dict:
 
 
 @pytest.fixture(scope="module")
-def monitored(tmp_path_factory, model_dir, data_file):
+def monitored(tmp_path_factory):
     """Mosquitto, a controller, nodes fast/mid/slow (speeds 1, 0.5, 0.25), Prometheus and a scraper,
     through a `tp`, an `xronos` and a `pp` job triggered by `xronos train --wait`."""
     root = tmp_path_factory.mktemp("monitored")
+    model = make_model(root / "model", **MODEL, seed=1)
+    data = make_data(root / "rows.jsonl", rows=STEPS * BATCH, seq_len=SEQ_LEN + 4, vocab=MODEL["vocab"], seed=3)
     with Mosquitto(users=USERS) as broker:
         ports = {"controller": free_port(), **{n: free_port() for n in NODES}}
         procs = [xronos_process("controller", "--metrics-port", str(ports["controller"]), user="controller",
@@ -187,9 +193,9 @@ def monitored(tmp_path_factory, model_dir, data_file):
             jobs = {}
             for mode in ("tp", "xronos", "pp"):
                 jobs[mode] = f"mon-{mode}"
-                result = train_by_command(broker.url, USERS["operator"], model_dir("gqa_wide"), data_file,
+                result = train_by_command(broker.url, USERS["operator"], model, data,
                                           root / f"out-{mode}", jobs[mode], "--mode", mode, "--nodes", ",".join(NODES),
-                                          steps=STEPS, seq_len=SEQ_LEN, batch_size=4, log=root / f"train-{mode}.log")
+                                          steps=STEPS, seq_len=SEQ_LEN, batch_size=BATCH, log=root / f"train-{mode}.log")
                 assert result.returncode == 0, result.stdout + result.stderr
             time.sleep(3)  # the last steps scraped and the rules evaluated once more
             yield dict(url=url, start=start, end=time.time(), scraper=scraper, jobs=jobs, root=root)
