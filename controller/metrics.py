@@ -101,7 +101,8 @@ class ControllerMetrics(MetricsEndpoint):
         if predicted_step is not None:
             self.predicted.labels(job_id).set(predicted_step)
         if predicted is not None:
-            self.job_nodes.setdefault(job_id, []).extend(nodes)
+            known = self.job_nodes.setdefault(job_id, [])
+            known += [n for n in nodes if n not in known]
             for node_id, seconds in zip(nodes, predicted):
                 self.predicted_compute.labels(job_id, node_id).set(seconds)
 

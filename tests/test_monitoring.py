@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge_node.toy_model import make_data, make_model
@@ -307,3 +308,24 @@ def test_xronos_run_serves_each_devices_metrics_while_it_runs(model_dir, data_fi
     assert proc.returncode == 0, out
     assert re.search(rf"metrics of device-0 \(run-\w+\): http://127\.0\.0\.1:{port}/metrics", out), out
     assert "metrics of device-1" in out and f":{port + 1}/metrics" in out
+
+
+def test_the_controller_keeps_the_series_of_the_last_finished_jobs_and_counts_every_end():
+    from controller.metrics import KEPT_FINISHED, ControllerMetrics
+    from xronos.contract import wire
+
+    metrics = ControllerMetrics()
+    jobs = [f"job-{i}" for i in range(KEPT_FINISHED + 5)]
+    for i, job_id in enumerate(jobs):
+        running = wire.JobStatus(job_id=job_id, state="running", steps=4, step=2, loss=1.5)
+        metrics.job(running, "xronos", step_seconds=0.5)
+        metrics.planned(job_id, 0.4, ["a", "b"], [0.3, 0.2])
+        metrics.planned(job_id, 0.4, ["a", "b"], [0.3, 0.2])  # a second plan of the same job
+        metrics.job(running.model_copy(update={"state": "failed" if i % 5 == 0 else "completed"}), "xronos")
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    exported = {s.labels["job_id"] for s in families["xronos_job_state"].samples}
+    assert exported == set(jobs[-KEPT_FINISHED:])
+    assert {s.labels["job_id"] for s in families["xronos_node_predicted_compute_seconds"].samples} == exported
+    finished = {s.labels["state"]: s.value for s in families["xronos_jobs_finished"].samples
+                if s.name == "xronos_jobs_finished_total"}
+    assert finished == {"completed": 20.0, "failed": 5.0, "stopped": 0.0}
