@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from edge_node.worker_process import stop_processes
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XRONOS_CACHE", "/var/cache/xronos-smoke"))
 BASE = "xronos-test/base:bookworm"
@@ -83,13 +85,8 @@ class Engine:
         raise RuntimeError(f"dockerd did not start: {(self.dir / 'dockerd-vfs.log').read_text()[-500:]}")
 
     def _stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_processes([self.proc], grace=30)
         self.proc = None
 
     def tiny_image(self) -> str:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from edge_node.worker_process import free_port
+from edge_node.worker_process import free_port, stop_processes
 from xronos.contract.errors import XronosError
 
 ACL_FILE = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto" / "acl"
@@ -77,12 +77,7 @@ class Mosquitto:
         raise XronosError("mosquitto did not start listening within 10 s")
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_processes([self.proc])
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
