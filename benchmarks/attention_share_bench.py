@@ -38,7 +38,7 @@ import torch  # imported here, before a worker joins its quota: startup is not w
 from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
-from edge_node.profiler import mean_seconds, training_step, model_variant
+from edge_node.profiler import mean_seconds, model_variant, training_step
 from xronos.contract.splits import ModelDims
 
 HEADS_PER_GROUP = 3
@@ -74,10 +74,16 @@ def time_variants(model_dir: str, batch: int, seq_len: int) -> dict[str, float]:
         layer = model.layers[0]
         h = torch.randn(rows or batch, seq_len, dims.hidden_size, requires_grad=True)
         positions = torch.arange(seq_len).unsqueeze(0)
-        mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions)
+        mask = create_causal_mask(
+            config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions
+        )
         rope = model.rotary_emb(h, position_ids=positions)
-        step = training_step(lambda: layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
-                              list(layer.self_attn.parameters()))
+        step = training_step(
+            lambda layer=layer, h=h, rope=rope, mask=mask: layer.self_attn(
+                hidden_states=h, position_embeddings=rope, attention_mask=mask
+            )[0],
+            list(layer.self_attn.parameters()),
+        )
         seconds[name] = min(mean_seconds({name: step})[name] for _ in range(3))
     return seconds
 
@@ -89,9 +95,24 @@ def measure_speed(model_dir: str, speed: float, batch: int, seq_len: int) -> dic
     quota = make_quota(f"xronos-attn-bench-{os.getpid()}-{round(speed * 1000)}", speed)
     try:
         child = subprocess.Popen(
-            ["taskset", "-c", "1", sys.executable, __file__, "--worker", quota.procs_file or "",
-             "--model", model_dir, "--batch-size", str(batch), "--seq-len", str(seq_len)],
-            stdout=subprocess.PIPE, text=True)
+            [
+                "taskset",
+                "-c",
+                "1",
+                sys.executable,
+                __file__,
+                "--worker",
+                quota.procs_file or "",
+                "--model",
+                model_dir,
+                "--batch-size",
+                str(batch),
+                "--seq-len",
+                str(seq_len),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         start_under(quota, child.pid)
         out, _ = child.communicate()
     finally:
@@ -102,10 +123,15 @@ def measure_speed(model_dir: str, speed: float, batch: int, seq_len: int) -> dic
 
 
 def print_segments(speeds: list[float], timed: dict[float, dict[str, float]]) -> None:
-    print(f"\n{'variant':<10}" + "".join(f"{f'speed {s:g}':>22}" for s in speeds) + "   (ms; x = ms / (fraction x 1 group's ms))")
+    print(
+        f"\n{'variant':<10}"
+        + "".join(f"{f'speed {s:g}':>22}" for s in speeds)
+        + "   (ms; x = ms / (fraction x 1 group's ms))"
+    )
     for name, (*_, fraction) in VARIANTS.items():
-        cells = "".join(f"{timed[s][name] * 1e3:>13.1f} ({timed[s][name] / (fraction * timed[s]['1 group']):.2f}x)"
-                        for s in speeds)
+        cells = "".join(
+            f"{timed[s][name] * 1e3:>13.1f} ({timed[s][name] / (fraction * timed[s]['1 group']):.2f}x)" for s in speeds
+        )
         print(f"{name:<10}{cells}")
     print("\nattention segment per layer (ms; its slowest device) and each device's wait in it:")
     for layout, per_device in LAYOUTS.items():
@@ -127,17 +153,29 @@ def run_ab(model_dir: str, data: str, speeds: list[float], rounds: int, steps: i
     with tempfile.TemporaryDirectory(prefix="xronos-attn-ab-") as out:
         for _ in range(rounds):
             for name, override in layouts.items():
-                job = JobOptions(model=model_dir, data=data, output=out, mode="xronos", steps=steps,
-                                 batch_size=batch, seq_len=seq_len, lr=1e-4)
+                job = JobOptions(
+                    model=model_dir,
+                    data=data,
+                    output=out,
+                    mode="xronos",
+                    steps=steps,
+                    batch_size=batch,
+                    seq_len=seq_len,
+                    lr=1e-4,
+                )
                 r = run_local(job, len(speeds), speeds=speeds, split_override=override, show_progress=False)
                 per = " ".join(node_seconds(d, r.measured_steps) for d in r.nodes)
-                print(f"  {name:<22} step {r.mean_step_seconds:.3f} s  idle {r.idle_ratio:5.1%}   compute/comm/idle {per}",
-                      flush=True)
+                print(
+                    f"  {name:<22} step {r.mean_step_seconds:.3f} s  idle {r.idle_ratio:5.1%}   compute/comm/idle {per}",
+                    flush=True,
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a model directory with 3 KV groups of 3 heads (default: SmolLM2's shapes, 8 layers)")
+    parser.add_argument(
+        "--model", help="a model directory with 3 KV groups of 3 heads (default: SmolLM2's shapes, 8 layers)"
+    )
     parser.add_argument("--data", help="JSONL text for --ab-rounds (default: made up)")
     parser.add_argument("--speeds", default="1,0.5,0.25")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -166,8 +204,9 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="xronos-attn-bench-") as tmp:
         model = args.model or str(make_model(Path(tmp) / "model", layers=8, **SMOL_SHAPES))
-        data = args.data or str(make_data(Path(tmp) / "data.jsonl", rows=64, seq_len=args.seq_len,
-                                          vocab=SMOL_SHAPES["vocab"]))
+        data = args.data or str(
+            make_data(Path(tmp) / "data.jsonl", rows=64, seq_len=args.seq_len, vocab=SMOL_SHAPES["vocab"])
+        )
         timed = {s: measure_speed(model, s, args.batch_size, args.seq_len) for s in speeds}
         print(f"one layer's attention, batch {args.batch_size} x {args.seq_len}, forward + backward + AdamW")
         print_segments(speeds, timed)

@@ -68,14 +68,27 @@ def main() -> None:
     speeds = [float(s) for s in args.speeds.split(",")]
     cpus = pack_cores(speeds, len(os.sched_getaffinity(0)))
     port, run = free_port(), uuid.uuid4().hex[:8]
-    print(f"speeds {speeds}, all-reduce of {args.rows} x {args.width} floats "
-          f"({args.rows * args.width * 4 / 2**20:.3f} MiB), slowest rank's median of {args.trials}:", flush=True)
+    print(
+        f"speeds {speeds}, all-reduce of {args.rows} x {args.width} floats "
+        f"({args.rows * args.width * 4 / 2**20:.3f} MiB), slowest rank's median of {args.trials}:",
+        flush=True,
+    )
     quotas, procs = [], []
     try:
         for rank, speed in enumerate(speeds):
             quotas.append(CgroupQuota(f"xronos-allreduce-{run}-{rank}", speed))
-            command = [sys.executable, "-c", CHILD, str(rank), str(len(speeds)), str(port),
-                       str(args.rows * args.width), str(args.hub), str(args.trials), quotas[-1].procs_file]
+            command = [
+                sys.executable,
+                "-c",
+                CHILD,
+                str(rank),
+                str(len(speeds)),
+                str(port),
+                str(args.rows * args.width),
+                str(args.hub),
+                str(args.trials),
+                quotas[-1].procs_file,
+            ]
             pin = (lambda c=cpus[rank]: os.sched_setaffinity(0, c)) if cpus else None
             procs.append(subprocess.Popen(command, preexec_fn=pin))
         if any(p.wait() for p in procs):

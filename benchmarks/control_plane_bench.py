@@ -29,17 +29,25 @@ import time
 
 import paho.mqtt.client as paho
 
-from xronos.planner.job_plan import plan_job
 from controller.service import Controller, ControllerOptions
 from xronos.contract import wire
 from xronos.contract.job import JobOptions
-from xronos.mosquitto import Mosquitto
 from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.contract.profiles import DeviceProfile, ProfileShape
 from xronos.contract.splits import ModelDims
+from xronos.mosquitto import Mosquitto
+from xronos.planner.job_plan import plan_job
 
-WIDE = ModelDims(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+WIDE = ModelDims(
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 """A Llama-3-8B-shaped model: enough KV groups and columns for many devices to matter."""
 
 
@@ -54,12 +62,16 @@ def client(port: int, name: str) -> paho.Client:
 def heartbeat_lag(port: int, settings: BrokerSettings, nodes: int, per_connection: int, seconds: float) -> None:
     controller = Controller(ControllerOptions(heartbeat_timeout=30), settings).start()
     ids = [f"sim-{i:04d}" for i in range(nodes)]
-    groups = [ids[i:i + per_connection] for i in range(0, nodes, per_connection)]
+    groups = [ids[i : i + per_connection] for i in range(0, nodes, per_connection)]
     clients = [client(port, f"sim-conn-{k}") for k in range(len(groups))]
     for c, group in zip(clients, groups):
         for node_id in group:
-            c.publish(wire.NODE_STATUS.name(node_id), wire.NODE_STATUS.encode(wire.NodeStatus(node_id=node_id, state="online")),
-                      qos=1, retain=False)
+            c.publish(
+                wire.NODE_STATUS.name(node_id),
+                wire.NODE_STATUS.encode(wire.NodeStatus(node_id=node_id, state="online")),
+                qos=1,
+                retain=False,
+            )
     while len(controller.registry.nodes) < nodes:
         time.sleep(0.05)
     controller.lags.clear()
@@ -77,8 +89,11 @@ def heartbeat_lag(port: int, settings: BrokerSettings, nodes: int, per_connectio
             if delay > 0:
                 time.sleep(delay)
             node_id = group[i % len(group)]
-            c.publish(wire.HEARTBEAT.name(node_id), wire.HEARTBEAT.encode(
-                wire.Heartbeat(node_id=node_id, state="idle")), qos=0)
+            c.publish(
+                wire.HEARTBEAT.name(node_id),
+                wire.HEARTBEAT.encode(wire.Heartbeat(node_id=node_id, state="idle")),
+                qos=0,
+            )
             sent[k] += 1
             i += 1
 
@@ -95,10 +110,14 @@ def heartbeat_lag(port: int, settings: BrokerSettings, nodes: int, per_connectio
     lags = sorted(controller.lags)
     total = sum(sent)
     q = statistics.quantiles(lags, n=100)
-    print(f"heartbeats: {nodes} nodes at 1 Hz over {len(groups)} connections for {elapsed:.1f} s: "
-          f"sent {total} ({total / elapsed:.0f}/s), handled {len(lags)} ({len(lags) / total:.1%})")
-    print(f"  controller handling lag: p50 {q[49] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms; "
-          f"invalid {sum(controller.bus.invalid.values())}")
+    print(
+        f"heartbeats: {nodes} nodes at 1 Hz over {len(groups)} connections for {elapsed:.1f} s: "
+        f"sent {total} ({total / elapsed:.0f}/s), handled {len(lags)} ({len(lags) / total:.1%})"
+    )
+    print(
+        f"  controller handling lag: p50 {q[49] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms; "
+        f"invalid {sum(controller.bus.invalid.values())}"
+    )
     for c in clients:
         c.loop_stop()
         c.disconnect()
@@ -106,13 +125,30 @@ def heartbeat_lag(port: int, settings: BrokerSettings, nodes: int, per_connectio
 
 
 def synthetic_profile(node_id: str, speed: float, memory_gib: float) -> DeviceProfile:
-    shape = ProfileShape(hidden_size=WIDE.hidden_size, head_dim=WIDE.head_dim, heads_per_group=WIDE.heads_per_group,
-                         micro_batch=1, seq_len=256, mlp_block=WIDE.mlp_block, vocab_block=WIDE.vocab_block, threads=1)
-    return DeviceProfile(device=node_id, speed_hint=speed, shape=shape, kv_group_seconds=0.040 / speed,
-                         mlp_block_seconds=0.006 / speed, vocab_block_seconds=0.012 / speed,
-                         layer_fixed_seconds=0.004 / speed, step_fixed_seconds=0.01 / speed,
-                         allreduce_latency_seconds=0.0005, allreduce_seconds_per_mib=0.002 / speed,
-                         memory_bytes=int(memory_gib * 2**30), address="127.0.0.1")
+    shape = ProfileShape(
+        hidden_size=WIDE.hidden_size,
+        head_dim=WIDE.head_dim,
+        heads_per_group=WIDE.heads_per_group,
+        micro_batch=1,
+        seq_len=256,
+        mlp_block=WIDE.mlp_block,
+        vocab_block=WIDE.vocab_block,
+        threads=1,
+    )
+    return DeviceProfile(
+        device=node_id,
+        speed_hint=speed,
+        shape=shape,
+        kv_group_seconds=0.040 / speed,
+        mlp_block_seconds=0.006 / speed,
+        vocab_block_seconds=0.012 / speed,
+        layer_fixed_seconds=0.004 / speed,
+        step_fixed_seconds=0.01 / speed,
+        allreduce_latency_seconds=0.0005,
+        allreduce_seconds_per_mib=0.002 / speed,
+        memory_bytes=int(memory_gib * 2**30),
+        address="127.0.0.1",
+    )
 
 
 def plan_and_assign(port: int, settings: BrokerSettings, nodes: int, tight_memory: bool) -> None:
@@ -120,7 +156,9 @@ def plan_and_assign(port: int, settings: BrokerSettings, nodes: int, tight_memor
     ids = [f"edge-{i:02d}" for i in range(nodes)]
     speeds = {n: 0.25 + 0.75 * i / max(1, nodes - 1) for i, n in enumerate(ids)}
     memory = {n: 2 + 6 * ((i * 7) % nodes) / nodes if tight_memory else 16.0 for i, n in enumerate(ids)}
-    job = JobOptions(model="/models/wide", data="/data/d.jsonl", output="/out", mode="xronos", batch_size=1, seq_len=256)
+    job = JobOptions(
+        model="/models/wide", data="/data/d.jsonl", output="/out", mode="xronos", batch_size=1, seq_len=256
+    )
     trained: dict[str, float] = {}
     done = threading.Event()
     sim = Bus(settings, "sim-64")
@@ -131,9 +169,17 @@ def plan_and_assign(port: int, settings: BrokerSettings, nodes: int, tight_memor
         if a is None or a.job_id != job_id:  # a retained assignment of the previous run
             return
         if a.phase == "profile":
-            sim.publish(wire.PROFILE, node_id, wire.ProfileMessage(
-                node_id=node_id, profile=synthetic_profile(node_id, speeds[node_id], memory[node_id]),
-                job_id=a.job_id, dims=WIDE, rendezvous_port=29500))
+            sim.publish(
+                wire.PROFILE,
+                node_id,
+                wire.ProfileMessage(
+                    node_id=node_id,
+                    profile=synthetic_profile(node_id, speeds[node_id], memory[node_id]),
+                    job_id=a.job_id,
+                    dims=WIDE,
+                    rendezvous_port=29500,
+                ),
+            )
         else:
             trained[node_id] = time.perf_counter()
             if len(trained) == nodes:
@@ -155,11 +201,15 @@ def plan_and_assign(port: int, settings: BrokerSettings, nodes: int, tight_memor
         raise SystemExit(f"only {len(trained)} of {nodes} nodes got a training assignment")
     wall = max(trained.values()) - t0
     regime = "2..8 GiB per node (memory binds)" if tight_memory else "16 GiB per node"
-    print(f"plan and assign a {nodes}-node job (Llama-3-8B shapes, {regime}): plan_job {pure * 1e3:.1f} ms; "
-          f"train command -> last training assignment {wall * 1e3:.0f} ms "
-          f"(two rounds: profile assignments, profiles back, plan, training assignments)")
+    print(
+        f"plan and assign a {nodes}-node job (Llama-3-8B shapes, {regime}): plan_job {pure * 1e3:.1f} ms; "
+        f"train command -> last training assignment {wall * 1e3:.0f} ms "
+        f"(two rounds: profile assignments, profiles back, plan, training assignments)"
+    )
     optimal = "" if plan.optimal else " (best found in the time cap; not proven optimal)"
-    print(f"  plan: {plan.world_size} of {nodes} nodes take part; predicted step {plan.predicted_step_seconds:.2f} s{optimal}")
+    print(
+        f"  plan: {plan.world_size} of {nodes} nodes take part; predicted step {plan.predicted_step_seconds:.2f} s{optimal}"
+    )
     sim.stop()
     controller.close()
 

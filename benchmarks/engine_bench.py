@@ -21,7 +21,6 @@ from xronos.contract.job import JobOptions
 from xronos.summary import node_seconds
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--speeds", default="1,0.5,0.25")
@@ -30,8 +29,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--modes", default="single,tp,xronos")
-    parser.add_argument("--kv-heads", type=int, default=SMOL_SHAPES["kv_heads"],
-                        help="KV heads (3 as SmolLM2; 9 = multi-head attention: finer attention shards)")
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=SMOL_SHAPES["kv_heads"],
+        help="KV heads (3 as SmolLM2; 9 = multi-head attention: finer attention shards)",
+    )
     parser.add_argument("--json", help="write all reports here")
     args = parser.parse_args()
     speeds = [float(s) for s in args.speeds.split(",")]
@@ -46,18 +49,30 @@ def main() -> None:
         data = make_data(root / "data.jsonl", rows=64, seq_len=args.seq_len, vocab=SMOL_SHAPES["vocab"])
         reports = {}
         for mode in args.modes.split(","):
-            job = JobOptions(model=str(model), data=str(data), output=str(root / f"out-{mode}"), mode=mode,
-                             steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-4)
+            job = JobOptions(
+                model=str(model),
+                data=str(data),
+                output=str(root / f"out-{mode}"),
+                mode=mode,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                lr=1e-4,
+            )
             nodes, node_speeds = (1, [1.0]) if mode == "single" else (len(speeds), speeds)
             reports[mode] = run_local(job, nodes, node_speeds, show_progress=False)
             print(f"{mode}: {reports[mode].mean_step_seconds:.3f} s/step", flush=True)
         n_params = reports[next(iter(reports))].nodes[0].param_bytes // 4 if "single" in reports else 0
 
-    print(f"\nmodel: {args.layers} layers, {shapes}, {n_params / 1e6:.1f}M parameters; "
-          f"batch {args.batch_size} x {args.seq_len} tokens; speeds {speeds} (sum {sum(speeds):g})")
+    print(
+        f"\nmodel: {args.layers} layers, {shapes}, {n_params / 1e6:.1f}M parameters; "
+        f"batch {args.batch_size} x {args.seq_len} tokens; speeds {speeds} (sum {sum(speeds):g})"
+    )
     ideal = reports["single"].mean_step_seconds / sum(speeds) if "single" in reports else None
     base = reports.get("tp")
-    print(f"{'mode':<8} {'step s':>7} {'vs tp':>6} {'vs ideal':>8} {'idle':>6}  per device: compute / comm / idle s per step")
+    print(
+        f"{'mode':<8} {'step s':>7} {'vs tp':>6} {'vs ideal':>8} {'idle':>6}  per device: compute / comm / idle s per step"
+    )
     for mode, r in reports.items():
         vs_tp = f"{r.mean_step_seconds / base.mean_step_seconds:.2f}" if base else "-"
         vs_ideal = f"{r.mean_step_seconds / ideal:.2f}" if ideal else "-"

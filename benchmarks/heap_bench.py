@@ -21,6 +21,7 @@ from edge_node.launcher import run_local
 from edge_node.toy_model import SMOL_SHAPES, make_data, make_model
 from xronos.contract.job import JobOptions
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -39,16 +40,29 @@ def main() -> None:
         for round_ in range(args.rounds):
             for setting in steady:
                 os.environ["XRONOS_KEEP_HEAP"] = "1" if setting == "kept" else "0"
-                job = JobOptions(model=str(model), data=str(data), output=str(root / "out"), mode="single",
-                                 steps=args.steps, batch_size=4, seq_len=128, lr=1e-4)
+                job = JobOptions(
+                    model=str(model),
+                    data=str(data),
+                    output=str(root / "out"),
+                    mode="single",
+                    steps=args.steps,
+                    batch_size=4,
+                    seq_len=128,
+                    lr=1e-4,
+                )
                 report = run_local(job, 1, [1.0], show_progress=False)
                 mean = report.mean_step_seconds
                 steady[setting].append(mean)
                 rss = report.nodes[0].peak_rss_bytes / 2**30
-                print(f"round {round_ + 1} heap {setting:<7}: steps {[round(s, 2) for s in report.step_seconds]}"
-                      f" -> steady mean {mean:.3f} s, peak RSS {rss:.2f} GiB", flush=True)
+                print(
+                    f"round {round_ + 1} heap {setting:<7}: steps {[round(s, 2) for s in report.step_seconds]}"
+                    f" -> steady mean {mean:.3f} s, peak RSS {rss:.2f} GiB",
+                    flush=True,
+                )
     default, kept = statistics.mean(steady["default"]), statistics.mean(steady["kept"])
-    print(f"\nsteady step: default heap {default:.3f} s, heap kept {kept:.3f} s, ratio kept/default {kept / default:.2f}")
+    print(
+        f"\nsteady step: default heap {default:.3f} s, heap kept {kept:.3f} s, ratio kept/default {kept / default:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ def main() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         passes.append(time.perf_counter() - start)
     params = list(model.parameters())
-    optimizers = {name: torch.optim.AdamW(params, lr=1e-6, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kw)
-                  for name, kw in FLAVOURS.items()}
+    optimizers = {
+        name: torch.optim.AdamW(params, lr=1e-6, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kw)
+        for name, kw in FLAVOURS.items()
+    }
     seconds = {name: [] for name in optimizers}
     for _ in range(args.repeats + 1):  # the first turn allocates the moments
         for name, opt in optimizers.items():
@@ -54,8 +56,10 @@ def main() -> None:
             opt.step()
             seconds[name].append(time.perf_counter() - start)
     forward_backward = statistics.median(passes[1:])
-    print(f"{args.layers} layers, {sum(p.numel() for p in params) / 1e6:.1f}M parameters, one thread; "
-          f"forward + backward {forward_backward:.3f} s at {args.batch} x {args.seq_len} tokens")
+    print(
+        f"{args.layers} layers, {sum(p.numel() for p in params) / 1e6:.1f}M parameters, one thread; "
+        f"forward + backward {forward_backward:.3f} s at {args.batch} x {args.seq_len} tokens"
+    )
     for name, times in seconds.items():
         update = statistics.median(times[1:])
         print(f"  AdamW {name:<24} {update:.3f} s per update ({update / forward_backward:.0%} of forward + backward)")

@@ -38,15 +38,27 @@ def main() -> None:
         model = make_model(Path(tmp) / "model", layers=1, **SMOL_SHAPES)
         for speed in (float(s) for s in args.speeds.split(",")):
             quota = make_quota(f"xronos-profile-bench-{os.getpid()}", speed)
-            child = subprocess.Popen([sys.executable, "-c", CHILD, str(model)], stdout=subprocess.PIPE,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+            child = subprocess.Popen(
+                [sys.executable, "-c", CHILD, str(model)],
+                stdout=subprocess.PIPE,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+            )
             quota.add(child.pid)
             out, _ = child.communicate()
             quota.close()
             p = json.loads(out)
-            units = {k.removesuffix("_seconds"): round(p[k] * 1e3, 2) for k in (*COMPUTE_FIELDS, "allreduce_seconds_per_mib")}
-            parts = {k: round(p[k], 2) for k in ("mlp_weight_grad_fraction", "attention_weight_grad_fraction",
-                                                 "vocab_weight_grad_fraction", "attention_backward_fraction")}
+            units = {
+                k.removesuffix("_seconds"): round(p[k] * 1e3, 2) for k in (*COMPUTE_FIELDS, "allreduce_seconds_per_mib")
+            }
+            parts = {
+                k: round(p[k], 2)
+                for k in (
+                    "mlp_weight_grad_fraction",
+                    "attention_weight_grad_fraction",
+                    "vocab_weight_grad_fraction",
+                    "attention_backward_fraction",
+                )
+            }
             print(f"speed {speed:g}: profile took {p['profile_seconds']:.2f} s; ms {units}; {parts}", flush=True)
 
 

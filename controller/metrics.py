@@ -28,32 +28,54 @@ class ControllerMetrics(MetricsEndpoint):
         r = self.registry
         self.nodes_online = Gauge("xronos_nodes_online", "Nodes online (birth seen, heartbeats on time).", registry=r)
         self.nodes_known = Gauge("xronos_nodes_known", "Nodes the registry has seen.", registry=r)
-        self.node_online = Gauge("xronos_node_online", "1 while a known node is online, 0 once it is lost.",
-                                 ["node"], registry=r)
-        self.heartbeat_age = Gauge("xronos_node_heartbeat_age_seconds", "Seconds since a node's last heartbeat "
-                                   "(or birth) reached the controller.", ["node"], registry=r)
+        self.node_online = Gauge(
+            "xronos_node_online", "1 while a known node is online, 0 once it is lost.", ["node"], registry=r
+        )
+        self.heartbeat_age = Gauge(
+            "xronos_node_heartbeat_age_seconds",
+            "Seconds since a node's last heartbeat (or birth) reached the controller.",
+            ["node"],
+            registry=r,
+        )
         self.jobs = Gauge("xronos_jobs", "Jobs by state.", ["state"], registry=r)
         self.finished = Counter("xronos_jobs_finished", "Jobs that ended, by final state.", ["state"], registry=r)
-        self.job_state = Gauge("xronos_job_state", "1 for a job's current state, 0 for the others.",
-                               ["job_id", "state"], registry=r)
+        self.job_state = Gauge(
+            "xronos_job_state", "1 for a job's current state, 0 for the others.", ["job_id", "state"], registry=r
+        )
         self.job_info = Gauge("xronos_job_info", "A job's mode (value 1).", ["job_id", "mode"], registry=r)
         self.job_step = Gauge("xronos_job_step", "The last step the job's nodes reported.", ["job_id"], registry=r)
         self.job_steps = Gauge("xronos_job_steps", "Steps the job was asked for.", ["job_id"], registry=r)
         self.job_loss = Gauge("xronos_job_loss", "Loss of the last reported step.", ["job_id"], registry=r)
-        self.predicted = Gauge("xronos_job_predicted_step_seconds", "The plan's predicted step time.", ["job_id"],
-                               registry=r)
-        self.predicted_compute = Gauge("xronos_node_predicted_compute_seconds",
-                                       "The plan's predicted compute seconds per step of each node in a job.",
-                                       ["job_id", "node"], registry=r)
-        self.measured = Gauge("xronos_job_step_seconds", "Measured step time: the last step's while the job runs, "
-                              "the report's mean once it completed.", ["job_id"], registry=r)
-        self.idle_ratio = Gauge("xronos_job_idle_ratio", "Measured mean idle ratio (0..1) of a completed job.",
-                                ["job_id"], registry=r)
-        self.invalid = Counter("xronos_invalid_messages", "Messages dropped (malformed, unknown node, bad command...).",
-                               ["topic"], registry=r)
-        self.heartbeat_lag = Histogram("xronos_heartbeat_lag_seconds", "From a heartbeat's send time to its handling.",
-                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-                                       registry=r)
+        self.predicted = Gauge(
+            "xronos_job_predicted_step_seconds", "The plan's predicted step time.", ["job_id"], registry=r
+        )
+        self.predicted_compute = Gauge(
+            "xronos_node_predicted_compute_seconds",
+            "The plan's predicted compute seconds per step of each node in a job.",
+            ["job_id", "node"],
+            registry=r,
+        )
+        self.measured = Gauge(
+            "xronos_job_step_seconds",
+            "Measured step time: the last step's while the job runs, the report's mean once it completed.",
+            ["job_id"],
+            registry=r,
+        )
+        self.idle_ratio = Gauge(
+            "xronos_job_idle_ratio", "Measured mean idle ratio (0..1) of a completed job.", ["job_id"], registry=r
+        )
+        self.invalid = Counter(
+            "xronos_invalid_messages",
+            "Messages dropped (malformed, unknown node, bad command...).",
+            ["topic"],
+            registry=r,
+        )
+        self.heartbeat_lag = Histogram(
+            "xronos_heartbeat_lag_seconds",
+            "From a heartbeat's send time to its handling.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=r,
+        )
         for state in FINISHED_STATES:
             self.finished.labels(state)
         for topic in wire.TOPICS:
@@ -97,7 +119,9 @@ class ControllerMetrics(MetricsEndpoint):
             while len(self.finished_jobs) > KEPT_FINISHED:
                 self._forget(self.finished_jobs.popleft())
 
-    def planned(self, job_id: str, predicted_step: float | None, nodes: list[str], predicted: list[float] | None) -> None:
+    def planned(
+        self, job_id: str, predicted_step: float | None, nodes: list[str], predicted: list[float] | None
+    ) -> None:
         if predicted_step is not None:
             self.predicted.labels(job_id).set(predicted_step)
         if predicted is not None:

@@ -29,14 +29,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from xronos.planner.job_plan import JobPlan, plan_job, planned_report
 from controller.metrics import ControllerMetrics
 from controller.registry import Registry
 from xronos.contract import wire
 from xronos.contract.errors import XronosError
+from xronos.contract.files import write_atomically
 from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.contract.report import RankResult
-from xronos.contract.files import write_atomically
+from xronos.planner.job_plan import JobPlan, plan_job, planned_report
 
 log = logging.getLogger("xronos.controller")
 
@@ -99,21 +99,27 @@ class Controller:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.bus = Bus(settings, client_id=client_id, on_invalid=self.metrics.dropped)
-        for topic, handler in ((wire.NODE_STATUS, self._on_status), (wire.HEARTBEAT, self._on_heartbeat),
-                               (wire.PROFILE, self._on_profile), (wire.RESULT, self._on_result),
-                               (wire.ASSIGNMENT, self._on_assignment), (wire.JOB_STATUS, self._on_job_status),
-                               (wire.TRAIN, self._on_train),
-                               (wire.STOP, self._on_stop)):
+        for topic, handler in (
+            (wire.NODE_STATUS, self._on_status),
+            (wire.HEARTBEAT, self._on_heartbeat),
+            (wire.PROFILE, self._on_profile),
+            (wire.RESULT, self._on_result),
+            (wire.ASSIGNMENT, self._on_assignment),
+            (wire.JOB_STATUS, self._on_job_status),
+            (wire.TRAIN, self._on_train),
+            (wire.STOP, self._on_stop),
+        ):
             self.bus.subscribe(topic, self._locked(handler))
 
     def _locked(self, handler):
         def run(ident, message):
             with self.lock:
                 handler(ident, message)
+
         return run
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self, wait: float | None = 10.0) -> "Controller":
+    def start(self, wait: float | None = 10.0) -> Controller:
         self._load_state()
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
@@ -146,12 +152,16 @@ class Controller:
                 self._finish(job, "failed", reason="; ".join(f"node {n}: {e}" for n, e in ranked))
             elif job.status.state == "planning" and now - job.started > self.o.profile_timeout:
                 missing = sorted(set(job.nodes) - set(job.profiles))
-                self._finish(job, "failed", reason=f"no profile from {', '.join(missing)} in {self.o.profile_timeout:g} s")
+                self._finish(
+                    job, "failed", reason=f"no profile from {', '.join(missing)} in {self.o.profile_timeout:g} s"
+                )
         self.metrics.nodes_online.set(self.registry.online_count)
         self.metrics.nodes_known.set(len(self.registry.nodes))
         for node in self.registry.nodes.values():
             self.metrics.node(node.node_id, node.online, now - node.last_seen)
-        self.metrics.job_counts([j.status.state for j in self.jobs.values()] + [s.state for s in self.finished.values()])
+        self.metrics.job_counts(
+            [j.status.state for j in self.jobs.values()] + [s.state for s in self.finished.values()]
+        )
 
     # -- node messages ---------------------------------------------------------------
     def _unknown(self, family: str, node_id: str) -> None:
@@ -235,8 +245,9 @@ class Controller:
         """A job left unfinished by an earlier controller (a restart) is marked failed, not left `running`."""
         if msg is None or msg.finished or job_id in self.jobs or msg.ts >= self.started_at:
             return
-        status = msg.model_copy(update={"state": "failed", "reason": "the controller restarted during the job",
-                                        "ts": time.time()})
+        status = msg.model_copy(
+            update={"state": "failed", "reason": "the controller restarted during the job", "ts": time.time()}
+        )
         self.finished[job_id] = status
         self._publish(status)  # its mode is not known here: no xronos_job_info for it
 
@@ -252,9 +263,15 @@ class Controller:
             return
         busy = {n for j in self.jobs.values() for n in j.nodes}
         if cmd.nodes is not None:
-            problems = [f"{n} is unknown" if n not in self.registry.nodes else
-                        f"{n} is offline" if not self.registry.nodes[n].online else f"{n} is busy"
-                        for n in dict.fromkeys(cmd.nodes) if n not in self.registry.available(busy)]
+            problems = [
+                f"{n} is unknown"
+                if n not in self.registry.nodes
+                else f"{n} is offline"
+                if not self.registry.nodes[n].online
+                else f"{n} is busy"
+                for n in dict.fromkeys(cmd.nodes)
+                if n not in self.registry.available(busy)
+            ]
             nodes = list(dict.fromkeys(cmd.nodes))
         else:
             nodes = self.registry.available(busy)
@@ -304,15 +321,28 @@ class Controller:
     def _assign_shards(self, job: Job) -> None:
         master = job.profiles[job.members[0]]
         for d, node_id in enumerate(job.nodes):
-            self._assign(node_id, wire.Assignment(
-                job_id=job.id, node_id=node_id, phase="train", job=job.command.job, rank=job.plan.ranks[d],
-                world_size=job.plan.world_size, master_addr=master.profile.address or "127.0.0.1",
-                master_port=master.rendezvous_port, split=job.plan.split, stages=job.plan.stages,
-                micro_batches=job.plan.micro_batches, profiles=job.plan.profiles))
+            self._assign(
+                node_id,
+                wire.Assignment(
+                    job_id=job.id,
+                    node_id=node_id,
+                    phase="train",
+                    job=job.command.job,
+                    rank=job.plan.ranks[d],
+                    world_size=job.plan.world_size,
+                    master_addr=master.profile.address or "127.0.0.1",
+                    master_port=master.rendezvous_port,
+                    split=job.plan.split,
+                    stages=job.plan.stages,
+                    micro_batches=job.plan.micro_batches,
+                    profiles=job.plan.profiles,
+                ),
+            )
         self.metrics.planned(job.id, job.plan.predicted_step_seconds, job.members, job.plan.predicted)
         log.info("job %s planned: %s", job.id, job.plan.split.describe() if job.plan.split else job.plan.stages)
-        self._publish_status(job, state="running", step=0, split=job.plan.split, stages=job.plan.stages,
-                             nodes=job.members)
+        self._publish_status(
+            job, state="running", step=0, split=job.plan.split, stages=job.plan.stages, nodes=job.members
+        )
 
     def _complete(self, job: Job) -> None:
         options, plan = job.command.job, job.plan
@@ -320,12 +350,21 @@ class Controller:
         speeds = [job.profiles[n].profile.speed_hint for n in job.nodes]
         results = [job.results[n] for n in job.members]
         report = planned_report(options, dims, plan, [job.profiles[n].profile for n in job.nodes], speeds, results)
-        report = report.model_copy(update={
-            "nodes": [n.model_copy(update={"name": job.nodes[n.device]}) for n in report.nodes],
-            "excluded": [e.model_copy(update={"name": job.nodes[e.device]}) for e in report.excluded]})
+        report = report.model_copy(
+            update={
+                "nodes": [n.model_copy(update={"name": job.nodes[n.device]}) for n in report.nodes],
+                "excluded": [e.model_copy(update={"name": job.nodes[e.device]}) for e in report.excluded],
+            }
+        )
         self.metrics.completed(job.id, report.mean_step_seconds, report.idle_ratio)
-        self._finish(job, "completed", report=report, output=f"{job.members[0]}:{options.output}",
-                     loss=report.losses[-1], step=len(report.losses))
+        self._finish(
+            job,
+            "completed",
+            report=report,
+            output=f"{job.members[0]}:{options.output}",
+            loss=report.losses[-1],
+            step=len(report.losses),
+        )
 
     def _finish(self, job: Job, state: str, **update) -> None:
         self.jobs.pop(job.id, None)

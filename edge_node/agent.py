@@ -36,20 +36,24 @@ from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
 from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all
 from xronos.contract import wire
+from xronos.contract.files import write_atomically
 from xronos.contract.job import JobOptions
 from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.contract.profiles import REFERENCE_BATCH, REFERENCE_CONFIG, REFERENCE_SEQ, DeviceProfile
 from xronos.contract.report import LocalAssignment, RankResult
-from xronos.contract.files import write_atomically
 
 log = logging.getLogger("xronos.node")
 
 
 class NodeOptions(BaseModel):
     node_id: wire.Id
-    speed: float | None = Field(None, gt=0, description="Emulated CPU speed (1 = one full core), applied to the worker.")
+    speed: float | None = Field(
+        None, gt=0, description="Emulated CPU speed (1 = one full core), applied to the worker."
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    address: str | None = Field(None, description="Address other nodes reach this one at (default: the one facing the broker).")
+    address: str | None = Field(
+        None, description="Address other nodes reach this one at (default: the one facing the broker)."
+    )
     threads: int = Field(1, ge=1)
     workdir: Path
     heartbeat_seconds: float = Field(2.0, gt=0)
@@ -81,9 +85,13 @@ class NodeAgent:
         self.o = options
         self.id = options.node_id
         self.metrics = NodeMetrics(self.id, subscribed=(wire.ASSIGNMENT.family,))
-        self.bus = Bus(settings, client_id=f"xronos-node-{self.id}",
-                       will=(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")),
-                       on_connect=self._born, on_invalid=self.metrics.dropped)
+        self.bus = Bus(
+            settings,
+            client_id=f"xronos-node-{self.id}",
+            will=(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")),
+            on_connect=self._born,
+            on_invalid=self.metrics.dropped,
+        )
         self.bus.subscribe(wire.ASSIGNMENT, self._assigned, ident=self.id)
         self.inbox: queue.Queue = queue.Queue()
         self.state = "idle"
@@ -101,10 +109,18 @@ class NodeAgent:
 
     def _heartbeat(self) -> None:
         job = self.job if self.job is not None and self.job.id != "startup" else None
-        self.bus.publish(wire.HEARTBEAT, self.id, wire.Heartbeat(
-            node_id=self.id, state=self.state, job_id=job.id if job else None,
-            step=job.step if job else None, loss=job.loss if job else None,
-            step_seconds=job.step_seconds if job else None))
+        self.bus.publish(
+            wire.HEARTBEAT,
+            self.id,
+            wire.Heartbeat(
+                node_id=self.id,
+                state=self.state,
+                job_id=job.id if job else None,
+                step=job.step if job else None,
+                loss=job.loss if job else None,
+                step_seconds=job.step_seconds if job else None,
+            ),
+        )
 
     # -- main loop -----------------------------------------------------------------
     def run(self) -> None:
@@ -126,7 +142,9 @@ class NodeAgent:
         finally:
             self._end_job()
             if self.bus.connected.is_set():  # else the broker publishes the will once it notices
-                self.bus.publish(wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")).wait_for_publish(2)
+                self.bus.publish(
+                    wire.NODE_STATUS, self.id, wire.NodeStatus(node_id=self.id, state="offline")
+                ).wait_for_publish(2)
             self.bus.stop()
             self.metrics.close()
 
@@ -196,8 +214,17 @@ class NodeAgent:
         ref = self.o.workdir / "reference-model"
         if not (ref / "config.json").is_file():
             LlamaConfig(**REFERENCE_CONFIG).save_pretrained(ref)
-        job = _Job("startup", JobOptions(model=str(ref), data="-", output=str(self.o.workdir / "unused"),
-                                         batch_size=REFERENCE_BATCH, seq_len=REFERENCE_SEQ), self.o.workdir / "startup")
+        job = _Job(
+            "startup",
+            JobOptions(
+                model=str(ref),
+                data="-",
+                output=str(self.o.workdir / "unused"),
+                batch_size=REFERENCE_BATCH,
+                seq_len=REFERENCE_SEQ,
+            ),
+            self.o.workdir / "startup",
+        )
         shutil.rmtree(job.dir, ignore_errors=True)
         job.dir.mkdir(parents=True)
         self.job, self.state = job, "profiling"
@@ -207,20 +234,40 @@ class NodeAgent:
         from edge_node.trainer import WorkerSpec
 
         spec = WorkerSpec(
-            job=options, device=0, name=self.id, speed_hint=self.o.speed, memory_bytes=available_memory_bytes(),
-            profile_file=str(job.file("profile.json")), plan_file=str(job.file("plan.json")) if plan else None,
-            rows_file=str(job.file("rows.safetensors")), result_file=str(job.file("result.json")),
-            progress_file=str(job.file("progress.jsonl")), threads=self.o.threads,
+            job=options,
+            device=0,
+            name=self.id,
+            speed_hint=self.o.speed,
+            memory_bytes=available_memory_bytes(),
+            profile_file=str(job.file("profile.json")),
+            plan_file=str(job.file("plan.json")) if plan else None,
+            rows_file=str(job.file("rows.safetensors")),
+            result_file=str(job.file("result.json")),
+            progress_file=str(job.file("progress.jsonl")),
+            threads=self.o.threads,
         )
-        job.worker, job.quota = start_worker(spec, job.file("spec.json"), job.file("worker.log"), self.o.speed,
-                                             f"xronos-node-{self.id}-{job.id}", threads=self.o.threads,
-                                             loopback=self._address().startswith("127."))
+        job.worker, job.quota = start_worker(
+            spec,
+            job.file("spec.json"),
+            job.file("worker.log"),
+            self.o.speed,
+            f"xronos-node-{self.id}-{job.id}",
+            threads=self.o.threads,
+            loopback=self._address().startswith("127."),
+        )
 
     def _train(self, a: wire.Assignment) -> None:
         job = self.job
         job.rank = a.rank
-        plan = LocalAssignment(ranks=[a.rank], split=a.split, profiles=a.profiles, stages=a.stages,
-                               micro_batches=a.micro_batches, master_addr=a.master_addr, master_port=a.master_port)
+        plan = LocalAssignment(
+            ranks=[a.rank],
+            split=a.split,
+            profiles=a.profiles,
+            stages=a.stages,
+            micro_batches=a.micro_batches,
+            master_addr=a.master_addr,
+            master_port=a.master_port,
+        )
         write_atomically(job.file("plan.json"), plan.model_dump_json())
         if a.rank is None:
             log.info("job %s leaves this node out", a.job_id)
@@ -242,9 +289,17 @@ class NodeAgent:
             profile = DeviceProfile.model_validate_json(job.file("profile.json").read_text())
             profile = profile.model_copy(update={"address": self._address()})
             startup = job.id == "startup"
-            self.bus.publish(wire.PROFILE, self.id, wire.ProfileMessage(
-                node_id=self.id, profile=profile, job_id=None if startup else job.id,
-                dims=None if startup else job.dims, rendezvous_port=None if startup else job.port))
+            self.bus.publish(
+                wire.PROFILE,
+                self.id,
+                wire.ProfileMessage(
+                    node_id=self.id,
+                    profile=profile,
+                    job_id=None if startup else job.id,
+                    dims=None if startup else job.dims,
+                    rendezvous_port=None if startup else job.port,
+                ),
+            )
         self._read_progress(job)
         rc = job.worker.proc.poll()
         if rc is None:
@@ -256,7 +311,9 @@ class NodeAgent:
         elif rc == 0 and job.rank is not None:
             self._read_progress(job)
             result = RankResult.model_validate_json(job.file("result.json").read_text())
-            self.bus.publish(wire.RESULT, self.id, wire.NodeResult(job_id=job.id, node_id=self.id, ok=True, result=result))
+            self.bus.publish(
+                wire.RESULT, self.id, wire.NodeResult(job_id=job.id, node_id=self.id, ok=True, result=result)
+            )
             log.info("job %s done", job.id)
             self._end_job()
         elif rc != 0:
@@ -270,7 +327,9 @@ class NodeAgent:
 
     def _fail(self, job_id: str, why: str) -> None:
         log.warning("job %s failed here: %s", job_id, why)
-        self.bus.publish(wire.RESULT, self.id, wire.NodeResult(job_id=job_id, node_id=self.id, ok=False, error=why[:2000]))
+        self.bus.publish(
+            wire.RESULT, self.id, wire.NodeResult(job_id=job_id, node_id=self.id, ok=False, error=why[:2000])
+        )
         self._end_job()
 
     def _end_job(self) -> None:

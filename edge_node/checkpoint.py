@@ -67,7 +67,9 @@ def gather_full(
         yield name, full
 
 
-def plan_files(shapes: dict[str, torch.Size], stem: str, max_bytes: int = MAX_FILE_BYTES) -> list[tuple[str, list[str]]]:
+def plan_files(
+    shapes: dict[str, torch.Size], stem: str, max_bytes: int = MAX_FILE_BYTES
+) -> list[tuple[str, list[str]]]:
     """Assign tensors, in order, to files of at most `max_bytes` (HF's sharded naming when several)."""
     groups: list[list[str]] = [[]]
     size = 0
@@ -120,7 +122,9 @@ def write_safetensors(
             os.fsync(f.fileno())
     if len(files) > 1:
         weight_map = {name: file_name for file_name, names in files for name in names}
-        (directory / f"{stem}.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (directory / f"{stem}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
 
 
 def copy_model_files(source: Path, target: Path) -> None:

@@ -156,5 +156,7 @@ def make_quota(name: str, speed: float) -> CgroupQuota | DutyCycleQuota:
     """The best available emulation of a device of `speed` cores."""
     if cgroup_quota_available():
         return CgroupQuota(name, speed)
-    log.warning("cgroup v1 cpu quotas are not writable here; emulating speed %.2f with a SIGSTOP/SIGCONT duty cycle", speed)
+    log.warning(
+        "cgroup v1 cpu quotas are not writable here; emulating speed %.2f with a SIGSTOP/SIGCONT duty cycle", speed
+    )
     return DutyCycleQuota(name, speed)

@@ -19,21 +19,22 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from xronos.planner.job_plan import plan_job, planned_report
-from xronos.planner.planning import split_for_mode
 from edge_node.cpu_quota import pack_cores
 from edge_node.data import load_rows
 from edge_node.memory import available_memory_bytes
+from edge_node.metrics import NodeMetrics
 from edge_node.model_io import load_config
 from edge_node.trainer import WorkerSpec
-from edge_node.metrics import NodeMetrics
 from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all
 from xronos.contract.errors import XronosError
+from xronos.contract.files import write_atomically
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import LocalAssignment, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims
-from xronos.contract.files import write_atomically
+from xronos.planner.job_plan import plan_job, planned_report
+from xronos.planner.planning import split_for_mode
+
 
 def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None, tick=None) -> None:
     """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause.
@@ -111,8 +112,10 @@ def run_local(
     stages = None
     if layer_counts is not None:
         if len(layer_counts) != nodes or sum(layer_counts) != dims.num_layers:
-            raise XronosError(f"split layers {'+'.join(map(str, layer_counts))} must give {nodes} stages "
-                              f"summing to the model's {dims.num_layers} layers")
+            raise XronosError(
+                f"split layers {'+'.join(map(str, layer_counts))} must give {nodes} stages "
+                f"summing to the model's {dims.num_layers} layers"
+            )
         if any(count == 0 for count in layer_counts[1:-1]):
             raise XronosError("a middle pipeline stage needs at least one layer")
         if (job.micro_batches or job.batch_size) < nodes:
@@ -131,27 +134,42 @@ def run_local(
         save_file({"input_ids": rows}, run_dir / "rows.safetensors")
         if metrics_port is not None:
             for d in range(n_workers):
-                feeds.append(_MetricsFeed(f"device-{d}", f"run-{run_id}", run_dir / f"progress-{d}.jsonl", metrics_port + d))
+                feeds.append(
+                    _MetricsFeed(f"device-{d}", f"run-{run_id}", run_dir / f"progress-{d}.jsonl", metrics_port + d)
+                )
         port = free_port()
         memory = available_memory_bytes() // n_workers
         throttled = None not in device_speeds
         cpus = pack_cores(device_speeds, len(os.sched_getaffinity(0))) if throttled else None
         for device in range(n_workers):
             spec = WorkerSpec(
-                job=job, device=device, speed_hint=device_speeds[device], memory_bytes=memory,
-                rank=None if profiled else device, split=split, stages=stages,
+                job=job,
+                device=device,
+                speed_hint=device_speeds[device],
+                memory_bytes=memory,
+                rank=None if profiled else device,
+                split=split,
+                stages=stages,
                 micro_batches=job.micro_batches or job.batch_size,
                 profile_file=str(run_dir / f"profile-{device}.json") if profiled else None,
                 plan_file=str(run_dir / "plan.json") if profiled else None,
-                master_port=port, rows_file=str(run_dir / "rows.safetensors"),
-                result_file=str(run_dir / f"result-{device}.json"), threads=threads,
+                master_port=port,
+                rows_file=str(run_dir / "rows.safetensors"),
+                result_file=str(run_dir / f"result-{device}.json"),
+                threads=threads,
                 show_progress=show_progress and device == 0,
                 progress_file=str(run_dir / f"progress-{device}.jsonl") if metrics_port is not None else None,
             )
-            worker, quota = start_worker(spec, run_dir / f"spec-{device}.json", run_dir / f"device-{device}.log",
-                                         device_speeds[device], f"xronos-{run_id}-d{device}",
-                                         echo=show_progress and device == 0, threads=threads,
-                                         cpus=cpus[device] if cpus else None)
+            worker, quota = start_worker(
+                spec,
+                run_dir / f"spec-{device}.json",
+                run_dir / f"device-{device}.log",
+                device_speeds[device],
+                f"xronos-{run_id}-d{device}",
+                echo=show_progress and device == 0,
+                threads=threads,
+                cpus=cpus[device] if cpus else None,
+            )
             worker.rank = None if profiled else device
             workers.append(worker)
             quotas += [quota] if quota is not None else []
@@ -166,8 +184,9 @@ def run_local(
             split, stages, predicted, devices = plan.split, plan.stages, plan.predicted, plan.members
             for worker, rank in zip(workers, plan.ranks):
                 worker.rank = rank
-            assignment = LocalAssignment(ranks=plan.ranks, split=split, profiles=plan.profiles, stages=stages,
-                                         micro_batches=plan.micro_batches)
+            assignment = LocalAssignment(
+                ranks=plan.ranks, split=split, profiles=plan.profiles, stages=stages, micro_batches=plan.micro_batches
+            )
             write_atomically(run_dir / "plan.json", assignment.model_dump_json())
         _watch(workers, Path(job.output), tick=tick)
         if tick is not None:
@@ -175,8 +194,9 @@ def run_local(
         results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
         if plan is not None:
             return planned_report(job, dims, plan, profiles, device_speeds, results)
-        return build_report(job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted,
-                            stages=stages, dims=dims)
+        return build_report(
+            job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted, stages=stages, dims=dims
+        )
     finally:
         stop_all(workers)
         for feed in feeds:

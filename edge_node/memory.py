@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 CGROUP_LIMITS = (
     # (limit, usage): cgroup v1, then v2 (a container's `--memory` on current Docker hosts)
     (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),

@@ -23,10 +23,16 @@ KEPT_JOBS = 5
 
 SHARD_GAUGES = {
     # progress-line key: (metric name, help)
-    "kv_groups": ("xronos_shard_kv_groups", "KV groups' worth of attention in this node's shard (a row share counts as its fraction)."),
+    "kv_groups": (
+        "xronos_shard_kv_groups",
+        "KV groups' worth of attention in this node's shard (a row share counts as its fraction).",
+    ),
     "mlp_columns": ("xronos_shard_mlp_columns", "MLP intermediate columns in this node's shard."),
     "vocab_rows": ("xronos_shard_vocab_rows", "Vocabulary rows of the LM head in this node's shard."),
-    "layers": ("xronos_shard_layers", "Decoder layers this node's shard spans (a pipeline stage's own; all of them under TP)."),
+    "layers": (
+        "xronos_shard_layers",
+        "Decoder layers this node's shard spans (a pipeline stage's own; all of them under TP).",
+    ),
     "param_bytes": ("xronos_shard_parameter_bytes", "Bytes of the parameters this node holds."),
 }
 
@@ -36,29 +42,46 @@ class NodeMetrics(MetricsEndpoint):
         super().__init__()
         r, per_job = self.registry, {"labelnames": ["node", "job_id"]}
         self.node_id = node_id
-        self.step_seconds = Histogram("xronos_step_seconds", "Wall time of a training step.", buckets=STEP_BUCKETS,
-                                      registry=r, **per_job)
-        self.compute = Counter("xronos_compute_seconds", "Seconds computing (step time outside collectives).",
-                               registry=r, **per_job)
-        self.comm = Counter("xronos_comm_seconds", "Seconds inside collectives (including waiting in them).",
-                            registry=r, **per_job)
-        self.idle = Counter("xronos_idle_seconds", "Seconds waiting for the slowest device at sync points.",
-                            registry=r, **per_job)
-        self.stall = Counter("xronos_stall_seconds", "pp jobs: seconds a stage's compute waited for a neighbour "
-                             "stage's activations or gradients (the computation stall).", registry=r, **per_job)
+        self.step_seconds = Histogram(
+            "xronos_step_seconds", "Wall time of a training step.", buckets=STEP_BUCKETS, registry=r, **per_job
+        )
+        self.compute = Counter(
+            "xronos_compute_seconds", "Seconds computing (step time outside collectives).", registry=r, **per_job
+        )
+        self.comm = Counter(
+            "xronos_comm_seconds", "Seconds inside collectives (including waiting in them).", registry=r, **per_job
+        )
+        self.idle = Counter(
+            "xronos_idle_seconds", "Seconds waiting for the slowest device at sync points.", registry=r, **per_job
+        )
+        self.stall = Counter(
+            "xronos_stall_seconds",
+            "pp jobs: seconds a stage's compute waited for a neighbour "
+            "stage's activations or gradients (the computation stall).",
+            registry=r,
+            **per_job,
+        )
         self.idle_ratio = Gauge("xronos_idle_ratio", "Idle share of the last step (0..1).", registry=r, **per_job)
         self.tokens = Counter("xronos_tokens", "Tokens this node's shard trained on.", registry=r, **per_job)
         self.loss = Gauge("xronos_loss", "Loss of the last step.", registry=r, **per_job)
         self.steps = Gauge("xronos_step", "The last step this node finished.", registry=r, **per_job)
         self.shard = {key: Gauge(name, doc, registry=r, **per_job) for key, (name, doc) in SHARD_GAUGES.items()}
         self.training = Gauge("xronos_training", "1 while this node trains a job.", registry=r, labelnames=["node"])
-        self.worker_memory = Gauge("xronos_worker_resident_memory_bytes",
-                                   "Resident memory of the node's worker process (profiling or training; 0 when none).",
-                                   registry=r, labelnames=["node"])
-        self.available_memory = Gauge("xronos_memory_available_bytes", "Memory the device has available.",
-                                      registry=r, labelnames=["node"])
-        self.invalid = Counter("xronos_invalid_messages", "Messages dropped for breaking the wire contract.",
-                               registry=r, labelnames=["node", "topic"])
+        self.worker_memory = Gauge(
+            "xronos_worker_resident_memory_bytes",
+            "Resident memory of the node's worker process (profiling or training; 0 when none).",
+            registry=r,
+            labelnames=["node"],
+        )
+        self.available_memory = Gauge(
+            "xronos_memory_available_bytes", "Memory the device has available.", registry=r, labelnames=["node"]
+        )
+        self.invalid = Counter(
+            "xronos_invalid_messages",
+            "Messages dropped for breaking the wire contract.",
+            registry=r,
+            labelnames=["node", "topic"],
+        )
         self.training.labels(node_id).set(0)
         self.memory(None)
         for family in subscribed:
@@ -75,7 +98,9 @@ class NodeMetrics(MetricsEndpoint):
         self.idle.labels(*labels).inc(max(0.0, line["idle_seconds"]))
         if "stall_seconds" in line:
             self.stall.labels(*labels).inc(max(0.0, line["stall_seconds"]))
-        self.idle_ratio.labels(*labels).set(line["idle_seconds"] / line["step_seconds"] if line["step_seconds"] > 0 else 0.0)
+        self.idle_ratio.labels(*labels).set(
+            line["idle_seconds"] / line["step_seconds"] if line["step_seconds"] > 0 else 0.0
+        )
         self.tokens.labels(*labels).inc(line["tokens"])
         self.loss.labels(*labels).set(line["loss"])
         self.steps.labels(*labels).set(line["step"])
@@ -92,8 +117,18 @@ class NodeMetrics(MetricsEndpoint):
             counter.labels(self.node_id, job_id)
         while len(self.jobs) > KEPT_JOBS:
             old, _ = self.jobs.popitem(last=False)
-            for metric in (self.step_seconds, self.compute, self.comm, self.idle, self.stall, self.idle_ratio,
-                           self.tokens, self.loss, self.steps, *self.shard.values()):
+            for metric in (
+                self.step_seconds,
+                self.compute,
+                self.comm,
+                self.idle,
+                self.stall,
+                self.idle_ratio,
+                self.tokens,
+                self.loss,
+                self.steps,
+                *self.shard.values(),
+            ):
                 try:
                     metric.remove(self.node_id, old)
                 except KeyError:

@@ -50,8 +50,9 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x  # (B, T, H)
         position_ids = torch.arange(h.shape[1]).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+        )
         position_embeddings = self.model.rotary_emb(h, position_ids=position_ids)
         for layer in self.model.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids)
@@ -101,7 +102,9 @@ class PipelineTrainer(Trainer):
     def load_model(self, source: Path, config):
         lo, hi = self.spec.stages[self.rank]
         with torch.device("meta"):
-            full = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+            full = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+            )
         stage = StageModule(full, lo, hi, self.first, self.last)
         stage.to_empty(device="cpu")
         reset_rotary(stage, config)
@@ -149,8 +152,11 @@ class PipelineTrainer(Trainer):
         """A stage holds whole layers; its stall is the schedule's wait (the paper's computation
         stall: the stage's cores wait for a neighbour's activations or gradients)."""
         lo, hi = self.spec.stages[self.rank]
-        return {"layers": hi - lo, "stall_seconds": self.schedule_wait,
-                "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        return {
+            "layers": hi - lo,
+            "stall_seconds": self.schedule_wait,
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+        }
 
     def train_step(self, step: int) -> float:
         job = self.job

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
-
 from transformers.masking_utils import create_causal_mask
 
 from edge_node.memory import available_memory_bytes
@@ -39,9 +38,10 @@ from edge_node.optimizer import adamw
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.weight_grads import WEIGHT_GRADS, linear_weight_grad_later, weight_grads_later
 from xronos.contract.errors import XronosError
+from xronos.contract.files import write_atomically
 from xronos.contract.profiles import DeviceProfile, ProfileShape
 from xronos.contract.splits import ModelDims
-from xronos.contract.files import write_atomically
+
 
 def model_variant(config, dims: ModelDims, layers: int, groups: int, mlp: int, vocab: int):
     c = copy.deepcopy(config)
@@ -143,7 +143,7 @@ class _Exchange:
         self.x.add_(self.y)
         sender.join()
 
-    def __enter__(self) -> "_Exchange":
+    def __enter__(self) -> _Exchange:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -225,8 +225,13 @@ def profile_device(
     """Measure this device at the job's shapes (or reuse a cached profile of the same shapes)."""
     dims = ModelDims.from_config(config)
     shape = ProfileShape(
-        hidden_size=dims.hidden_size, head_dim=dims.head_dim, heads_per_group=dims.heads_per_group,
-        micro_batch=micro_batch, seq_len=seq_len, mlp_block=dims.mlp_block, vocab_block=dims.vocab_block,
+        hidden_size=dims.hidden_size,
+        head_dim=dims.head_dim,
+        heads_per_group=dims.heads_per_group,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        mlp_block=dims.mlp_block,
+        vocab_block=dims.vocab_block,
         threads=threads,
     )
     memory = memory_bytes or available_memory_bytes()
@@ -255,29 +260,36 @@ def profile_device(
     for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
         model = model_variant(config, dims, 1, g, m * dims.mlp_block, 8)
         layer = model.model.layers[0]
-        mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+        )
         rope = model.model.rotary_emb(h, position_ids=position_ids)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # timed as a rank that defers them runs them
             setattr(layer.self_attn, name, weight_grads_later(getattr(layer.self_attn, name)))
         runs[f"attention-{size}"] = training_step(
-            lambda layer=layer, rope=rope, mask=mask:
-                layer.self_attn(hidden_states=h, position_embeddings=rope, attention_mask=mask)[0],
-            list(layer.self_attn.parameters()), parts.get(f"attention-{size}"))
+            lambda layer=layer, rope=rope, mask=mask: layer.self_attn(
+                hidden_states=h, position_embeddings=rope, attention_mask=mask
+            )[0],
+            list(layer.self_attn.parameters()),
+            parts.get(f"attention-{size}"),
+        )
         for name in ("gate_proj", "up_proj", "down_proj"):  # as on a rank whose weight gradients come later
             setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name)))
-        runs[f"mlp-{size}"] = training_step(lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()),
-                                             parts.get(f"mlp-{size}"))
+        runs[f"mlp-{size}"] = training_step(
+            lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()), parts.get(f"mlp-{size}")
+        )
         # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows,
         # whose weight-gradient product is timed apart (as a rank that computes it later runs it).
         head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02)
         embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
         ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
         runs[f"vocab-{size}"] = training_step(
-            lambda head=head, embed=embed, ids=ids:
-                causal_lm_loss(linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None),
-                               ids, 0),
-            list({id(p): p for p in (head, embed)}.values()), parts.get(f"vocab-{size}"))
+            lambda head=head, embed=embed, ids=ids: causal_lm_loss(
+                linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None), ids, 0
+            ),
+            list({id(p): p for p in (head, embed)}.values()),
+            parts.get(f"vocab-{size}"),
+        )
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]  # the same in either size
     runs["norms"] = training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h, norms)
     payload = micro_batch * seq_len * dims.hidden_size * 4
@@ -294,19 +306,35 @@ def profile_device(
     latency = max(0.0, small - per_mib * payload / 16 / 2**20)
 
     profile = DeviceProfile(
-        device=device, speed_hint=speed_hint, shape=shape,
-        kv_group_seconds=per_group, mlp_block_seconds=per_mlp, vocab_block_seconds=per_vocab,
-        layer_fixed_seconds=layer_fixed, step_fixed_seconds=step_fixed,
-        kv_fixed_seconds=kv_fixed, mlp_fixed_seconds=mlp_fixed, vocab_fixed_seconds=vocab_fixed,
+        device=device,
+        speed_hint=speed_hint,
+        shape=shape,
+        kv_group_seconds=per_group,
+        mlp_block_seconds=per_mlp,
+        vocab_block_seconds=per_vocab,
+        layer_fixed_seconds=layer_fixed,
+        step_fixed_seconds=step_fixed,
+        kv_fixed_seconds=kv_fixed,
+        mlp_fixed_seconds=mlp_fixed,
+        vocab_fixed_seconds=vocab_fixed,
         mlp_weight_grad_fraction=min(parts["mlp-share"].fraction(parts["mlp-share"].later), MAX_LATER_FRACTION),
         # the span between a layer's backward all-reduces on a rank that computes its products in place
         attention_backward_fraction=attention.fraction(attention.backward + attention.later),
         attention_weight_grad_fraction=min(attention.fraction(attention.later), MAX_LATER_FRACTION),
         # the LM head's product has no fixed part: its seconds per block, against the per-block cost
-        vocab_weight_grad_fraction=min(parts["vocab-share"].fraction(parts["vocab-share"].later) * seconds["vocab-share"]
-                                       / (vocab_blocks * per_vocab) if per_vocab > 0 else 0.0, MAX_LATER_FRACTION),
-        allreduce_latency_seconds=latency, allreduce_seconds_per_mib=per_mib,
-        memory_bytes=memory, address=address, profile_seconds=time.perf_counter() - started,
+        vocab_weight_grad_fraction=min(
+            parts["vocab-share"].fraction(parts["vocab-share"].later)
+            * seconds["vocab-share"]
+            / (vocab_blocks * per_vocab)
+            if per_vocab > 0
+            else 0.0,
+            MAX_LATER_FRACTION,
+        ),
+        allreduce_latency_seconds=latency,
+        allreduce_seconds_per_mib=per_mib,
+        memory_bytes=memory,
+        address=address,
+        profile_seconds=time.perf_counter() - started,
     )
     if use_cache:
         cache.parent.mkdir(parents=True, exist_ok=True)

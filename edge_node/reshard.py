@@ -54,8 +54,14 @@ def moves(old: list[Slice], new: list[Slice]) -> list[Move]:
     return out
 
 
-def reshard_tensors(tensors: dict[str, list[torch.Tensor]], shapes: dict[str, torch.Size], old_slice_of: SliceOf,
-                    new_slice_of: SliceOf, rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+def reshard_tensors(
+    tensors: dict[str, list[torch.Tensor]],
+    shapes: dict[str, torch.Size],
+    old_slice_of: SliceOf,
+    new_slice_of: SliceOf,
+    rank: int,
+    world: int,
+) -> dict[str, list[torch.Tensor]]:
     """Collective: each named group of same-sliced tensors (a parameter and its moments), as this rank
     holds them under the old split, becomes this rank's part of them under the new one.
 
@@ -96,7 +102,11 @@ def reshard_tensors(tensors: dict[str, list[torch.Tensor]], shapes: dict[str, to
                     sent.append(piece.contiguous())  # kept alive until its send completes
                     requests.append(dist.isend(sent[-1], dst=move.dst, tag=tag))
                 else:
-                    buffer = target if target.is_contiguous() else torch.empty_like(target, memory_format=torch.contiguous_format)
+                    buffer = (
+                        target
+                        if target.is_contiguous()
+                        else torch.empty_like(target, memory_format=torch.contiguous_format)
+                    )
                     received.append((target, buffer))
                     requests.append(dist.irecv(buffer, src=move.src, tag=tag))
         for request in requests:

@@ -63,7 +63,9 @@ class WorkerSpec(BaseModel):
     memory_bytes: int | None = None
     profile_file: str | None = None
     plan_file: str | None = None
-    profiles: list[DeviceProfile] | None = Field(None, description="Mode xronos: profiles of all ranks, for re-planning.")
+    profiles: list[DeviceProfile] | None = Field(
+        None, description="Mode xronos: profiles of all ranks, for re-planning."
+    )
     stages: list[tuple[int, int]] | None = Field(None, description="Pipeline mode: layers [lo, hi) of each rank.")
     micro_batches: int = Field(1, description="Pipeline mode: micro-batches per step.")
     master_addr: str = "127.0.0.1"
@@ -93,8 +95,10 @@ class Trainer:
             )
         rows = spec.split.micro_batch_rows if spec.split is not None else None
         if rows is not None and rows != self.job.batch_size // self.job.grad_accum:
-            raise XronosError(f"the split shares KV groups by rows of {rows}-row micro-batches, "
-                              f"but this job's micro-batches have {self.job.batch_size // self.job.grad_accum} rows")
+            raise XronosError(
+                f"the split shares KV groups by rows of {rows}-row micro-batches, "
+                f"but this job's micro-batches have {self.job.batch_size // self.job.grad_accum} rows"
+            )
         self.output = Path(self.job.output)
         resume_from = checkpoint.latest_checkpoint(self.output) if self.job.resume else None
         source = resume_from or Path(self.job.model)
@@ -137,8 +141,9 @@ class Trainer:
             ring_s, hub_s = time_collectives(micro_batch * self.job.seq_len * self.dims.hidden_size, hub)
             algorithm = "hub" if hub_s < ring_s else "ring"
         use_hub(hub if algorithm == "hub" else None)
-        return CollectiveChoice(algorithm=algorithm, hub_rank=hub if algorithm == "hub" else None,
-                                ring_seconds=ring_s, hub_seconds=hub_s)
+        return CollectiveChoice(
+            algorithm=algorithm, hub_rank=hub if algorithm == "hub" else None, ring_seconds=ring_s, hub_seconds=hub_s
+        )
 
     # -- what this rank holds (overridden by the pipeline trainer) ---------------
     def world_size(self) -> int:
@@ -195,13 +200,17 @@ class Trainer:
         if self.spec.show_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=self.job.steps, initial=self.start_step, desc=f"{self.job.mode}", file=sys.stderr, unit="step")
+            bar = tqdm(
+                total=self.job.steps, initial=self.start_step, desc=f"{self.job.mode}", file=sys.stderr, unit="step"
+            )
         for step in steps:
             comm0, segments0, t0 = CLOCK.seconds, dict(CLOCK.segments), time.perf_counter()
             loss = self.train_step(step)
             self.step_seconds.append(time.perf_counter() - t0)
             self.comm_seconds.append(self.comm_seconds_of_step(self.step_seconds[-1], comm0))
-            self.segment_seconds.append(tuple(CLOCK.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENT_FIELDS))
+            self.segment_seconds.append(
+                tuple(CLOCK.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENT_FIELDS)
+            )
             self.losses.append(loss)
             if self.spec.progress_file:
                 self._log_progress(step)
@@ -229,10 +238,16 @@ class Trainer:
         slowest = torch.tensor([compute])
         if dist.is_initialized():
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        line = {"step": step + 1, "loss": self.losses[-1], "step_seconds": self.step_seconds[-1],
-                "comm_seconds": self.comm_seconds[-1], "compute_seconds": compute,
-                "idle_seconds": max(0.0, slowest.item() - compute),
-                "tokens": self.job.batch_size * self.job.seq_len, **self.shard_held()}
+        line = {
+            "step": step + 1,
+            "loss": self.losses[-1],
+            "step_seconds": self.step_seconds[-1],
+            "comm_seconds": self.comm_seconds[-1],
+            "compute_seconds": compute,
+            "idle_seconds": max(0.0, slowest.item() - compute),
+            "tokens": self.job.batch_size * self.job.seq_len,
+            **self.shard_held(),
+        }
         with open(self.spec.progress_file, "a") as out:
             out.write(json.dumps(line) + "\n")
 
@@ -246,14 +261,24 @@ class Trainer:
             kv, mlp, vocab = self.spec.split.shares()[self.rank]
         else:
             kv, mlp, vocab = dims.num_kv_heads, dims.intermediate_size, dims.vocab_size
-        return {"kv_groups": kv, "mlp_columns": mlp, "vocab_rows": vocab, "layers": dims.num_layers,
-                "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        return {
+            "kv_groups": kv,
+            "mlp_columns": mlp,
+            "vocab_rows": vocab,
+            "layers": dims.num_layers,
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+        }
 
     # -- re-planning from measured compute ------------------------------------------
     def can_replan(self) -> bool:
-        return (self.job.mode == "xronos" and self.spec.profiles is not None and self.world > 1
-                and self.job.replan_after > 0 and self.reshards < MAX_RESHARDS
-                and self.replan_checks < MAX_REPLAN_CHECKS)
+        return (
+            self.job.mode == "xronos"
+            and self.spec.profiles is not None
+            and self.world > 1
+            and self.job.replan_after > 0
+            and self.reshards < MAX_RESHARDS
+            and self.replan_checks < MAX_REPLAN_CHECKS
+        )
 
     def reshard_leaves_enough(self, step: int) -> bool:
         """Whether a re-shard after `step` leaves at least half the job on the new split.
@@ -282,27 +307,39 @@ class Trainer:
         self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
         per_micro_step = len(timed) * self.job.grad_accum
-        mine = [sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / per_micro_step,
-                *(sum(column) / per_micro_step for column in zip(*(self.segment_seconds[k] for k in timed)))]
+        mine = [
+            sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / per_micro_step,
+            *(sum(column) / per_micro_step for column in zip(*(self.segment_seconds[k] for k in timed))),
+        ]
         gathered = [torch.zeros(len(mine)) for _ in range(self.world)]
         dist.all_gather(gathered, torch.tensor(mine))
         measured = [MeasuredCompute(t[0].item(), tuple(t[1:].tolist())) for t in gathered]
         box = [None]
         if self.rank == 0:
-            box[0] = replan(self.spec.profiles, self.dims, self.spec.split, measured,
-                            self.job.batch_size // self.job.grad_accum, self.job.seq_len,
-                            self.min_replan_gain(sum(self.step_seconds[k] for k in timed) / len(timed)))
+            box[0] = replan(
+                self.spec.profiles,
+                self.dims,
+                self.spec.split,
+                measured,
+                self.job.batch_size // self.job.grad_accum,
+                self.job.seq_len,
+                self.min_replan_gain(sum(self.step_seconds[k] for k in timed) / len(timed)),
+            )
         dist.broadcast_object_list(box, src=0)
         new_split, calibrated, predicted, gain = box[0]
         changed = new_split != self.spec.split
         accum = self.job.grad_accum
         started = time.perf_counter()
-        self.replans.append(ReplanCheck(
-            after_step=len(self.step_seconds) + self.start_step,
-            measured_compute_seconds=[m.total * accum for m in measured],
-            measured_segment_seconds=[tuple(x * accum for x in m.segments) for m in measured],
-            predicted_compute_seconds=[s * accum for s in predicted],
-            new_split=new_split if changed else None, predicted_gain=gain))
+        self.replans.append(
+            ReplanCheck(
+                after_step=len(self.step_seconds) + self.start_step,
+                measured_compute_seconds=[m.total * accum for m in measured],
+                measured_segment_seconds=[tuple(x * accum for x in m.segments) for m in measured],
+                predicted_compute_seconds=[s * accum for s in predicted],
+                new_split=new_split if changed else None,
+                predicted_gain=gain,
+            )
+        )
         self.spec = self.spec.model_copy(update={"profiles": calibrated})
         if not changed:
             return
@@ -358,8 +395,12 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         """A resumable checkpoint: model, AdamW moments, step and losses so far."""
-        state = {"step": step, "adam_step": adam_step(self.optimizer), "losses": self.losses,
-                 "replans": [c.model_dump() for c in self.replans]}
+        state = {
+            "step": step,
+            "adam_step": adam_step(self.optimizer),
+            "losses": self.losses,
+            "replans": [c.model_dump() for c in self.replans],
+        }
         self._save(checkpoint.checkpoint_dir(self.output, step), True, state)
         if self.rank == 0:
             checkpoint.prune_checkpoints(self.output, KEEP_CHECKPOINTS)

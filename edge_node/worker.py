@@ -19,8 +19,8 @@ from edge_node.cpu_quota import join_quota
 from edge_node.model_io import load_config, model_class
 from edge_node.trainer import Trainer, WorkerSpec
 from xronos.contract.errors import XronosError
-from xronos.contract.report import LocalAssignment
 from xronos.contract.files import write_atomically
+from xronos.contract.report import LocalAssignment
 
 
 def import_before_quota(spec: WorkerSpec) -> None:
@@ -42,8 +42,13 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
     torch.set_num_threads(spec.threads)
     job = spec.job
     profile = profile_device(
-        load_config(job.model), job.batch_size // job.grad_accum, job.seq_len, spec.threads,
-        device=spec.name or f"device-{spec.device}", speed_hint=spec.speed_hint, memory_bytes=spec.memory_bytes,
+        load_config(job.model),
+        job.batch_size // job.grad_accum,
+        job.seq_len,
+        spec.threads,
+        device=spec.name or f"device-{spec.device}",
+        speed_hint=spec.speed_hint,
+        memory_bytes=spec.memory_bytes,
     )
     write_atomically(spec.profile_file, profile.model_dump_json())
     if spec.plan_file is None:  # profiling was all that was asked
@@ -53,8 +58,13 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
         time.sleep(0.05)
     assignment = LocalAssignment.model_validate_json(plan.read_text())
     rank = assignment.ranks[spec.device]
-    update = {"rank": rank, "split": assignment.split, "stages": assignment.stages,
-              "micro_batches": assignment.micro_batches, "profiles": assignment.profiles}
+    update = {
+        "rank": rank,
+        "split": assignment.split,
+        "stages": assignment.stages,
+        "micro_batches": assignment.micro_batches,
+        "profiles": assignment.profiles,
+    }
     if assignment.master_port is not None:  # the rendezvous is known only once the plan is
         update |= {"master_addr": assignment.master_addr, "master_port": assignment.master_port}
     return None if rank is None else spec.model_copy(update=update)

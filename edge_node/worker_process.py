@@ -23,7 +23,6 @@ from pathlib import Path
 
 from edge_node.cpu_quota import make_quota, start_under
 
-
 PR_SET_PDEATHSIG = 1
 
 HEAP_ENV = {
@@ -53,8 +52,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 class WorkerProcess:
     """A worker process with its stderr teed to a log file (and, for rank 0, the terminal)."""
 
-    def __init__(self, device: int, spec_file: Path, log_file: Path, echo: bool, threads: int, loopback: bool = True,
-                 cpus: set[int] | None = None):
+    def __init__(
+        self,
+        device: int,
+        spec_file: Path,
+        log_file: Path,
+        echo: bool,
+        threads: int,
+        loopback: bool = True,
+        cpus: set[int] | None = None,
+    ):
         heap = HEAP_ENV if os.environ.get("XRONOS_KEEP_HEAP", "1") != "0" else {}
         env = {**heap, **os.environ, "OMP_NUM_THREADS": str(threads)}
         if loopback:  # gloo would otherwise pick the interface of the host name, which may not reach a peer here
@@ -93,8 +100,17 @@ class WorkerProcess:
         return f"{who} {how}" + (f": {why}" if why else "")
 
 
-def start_worker(spec, spec_file: Path, log_file: Path, speed: float | None, quota_name: str, echo: bool = False,
-                 threads: int = 1, loopback: bool = True, cpus: set[int] | None = None):
+def start_worker(
+    spec,
+    spec_file: Path,
+    log_file: Path,
+    speed: float | None,
+    quota_name: str,
+    echo: bool = False,
+    threads: int = 1,
+    loopback: bool = True,
+    cpus: set[int] | None = None,
+):
     """Start a worker for `spec` (a `edge_node.trainer.WorkerSpec`) under a CPU quota of `speed` (None: none);
     returns the worker and its quota, which the caller closes when the worker is done.
 
@@ -106,8 +122,9 @@ def start_worker(spec, spec_file: Path, log_file: Path, speed: float | None, quo
     try:
         spec = spec.model_copy(update={"quota_file": quota.procs_file if quota is not None else None})
         spec_file.write_text(spec.model_dump_json())
-        worker = WorkerProcess(spec.device, spec_file, log_file, echo=echo, threads=threads, loopback=loopback,
-                               cpus=cpus)
+        worker = WorkerProcess(
+            spec.device, spec_file, log_file, echo=echo, threads=threads, loopback=loopback, cpus=cpus
+        )
         if quota is not None:
             start_under(quota, worker.proc.pid)
     except BaseException:
@@ -133,7 +150,7 @@ def last_error(lines: list[str], limit: int = 300) -> str:
     if at is None:
         return lines[-1][:limit] if lines else ""
     name, message = EXCEPTION_LINE.match(lines[at]).groups()
-    rest = [line for line in lines[at + 1:] if not line.startswith("For further information")]
+    rest = [line for line in lines[at + 1 :] if not line.startswith("For further information")]
     return " ".join([name + (f":{message}" if message else ""), *rest])[:limit]
 
 

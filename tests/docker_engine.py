@@ -64,18 +64,34 @@ class Engine:
 
     def _start(self) -> str:
         if os.geteuid() != 0 or shutil.which("dockerd") is None:
-            raise RuntimeError("no Docker engine answers on a unix socket (DOCKER_HOST or /var/run/docker.sock), and "
-                               "this test can start one only as root with dockerd installed "
-                               "(apt-get install --no-install-recommends docker.io)")
+            raise RuntimeError(
+                "no Docker engine answers on a unix socket (DOCKER_HOST or /var/run/docker.sock), and "
+                "this test can start one only as root with dockerd installed "
+                "(apt-get install --no-install-recommends docker.io)"
+            )
         self.dir = Path(tempfile.mkdtemp(prefix="xronos-test-engine-"))
         url = f"unix://{self.dir}/docker.sock"
         for driver in ("overlay2", "vfs"):
             log = (self.dir / f"dockerd-{driver}.log").open("wb")
             self.proc = subprocess.Popen(
-                ["dockerd", "--storage-driver", driver, "--iptables=false", "--bridge=none",
-                 "--data-root", str(self.dir / f"data-{driver}"), "--exec-root", str(self.dir / "exec"),
-                 "--pidfile", str(self.dir / "dockerd.pid"), "-H", url],
-                stdout=log, stderr=subprocess.STDOUT)
+                [
+                    "dockerd",
+                    "--storage-driver",
+                    driver,
+                    "--iptables=false",
+                    "--bridge=none",
+                    "--data-root",
+                    str(self.dir / f"data-{driver}"),
+                    "--exec-root",
+                    str(self.dir / "exec"),
+                    "--pidfile",
+                    str(self.dir / "dockerd.pid"),
+                    "-H",
+                    url,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if self._answers(url):
@@ -99,7 +115,9 @@ class Engine:
         except docker.errors.ImageNotFound:
             pass
         env = {**os.environ, "DOCKER_HOST": self.url, "XRONOS_CACHE": str(CACHE)}
-        done = subprocess.run([str(REPO / "deploy" / "make-base-image.sh"), BASE], env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [str(REPO / "deploy" / "make-base-image.sh"), BASE], env=env, capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"could not make the base image: {done.stderr.strip()[-500:]}")
         with tempfile.TemporaryDirectory() as context:

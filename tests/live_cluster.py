@@ -22,17 +22,54 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
 def xronos_process(*args: str, user: str, password: str, url: str, log: Path) -> subprocess.Popen:
     """`xronos ARGS` as its own process, the broker and credentials in the environment (never in argv)."""
     env = {**os.environ, "XRONOS_BROKER": url, "XRONOS_USERNAME": user, "XRONOS_PASSWORD": password}
-    return subprocess.Popen([sys.executable, "-m", "xronos.cli", *args], env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "xronos.cli", *args], env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
 
 
-def train_by_command(url: str, password: str, model: Path, data: Path, output: Path, job_id: str, *extra: str,
-                     steps: int, seq_len: int, batch_size: int, log: Path) -> subprocess.CompletedProcess:
+def train_by_command(
+    url: str,
+    password: str,
+    model: Path,
+    data: Path,
+    output: Path,
+    job_id: str,
+    *extra: str,
+    steps: int,
+    seq_len: int,
+    batch_size: int,
+    log: Path,
+) -> subprocess.CompletedProcess:
     """`xronos train --wait` as the operator: the job's exit code, output and log."""
     env = {**os.environ, "XRONOS_BROKER": url, "XRONOS_USERNAME": "operator", "XRONOS_PASSWORD": password}
-    cmd = [sys.executable, "-m", "xronos.cli", "train", "--model", str(model), "--data", str(data),
-           "--steps", str(steps), "--seq-len", str(seq_len), "--batch-size", str(batch_size), "--lr", "1e-3",
-           "--no-shuffle", "--job-id", job_id, "--output", str(output), "--wait", "--timeout", "300", "--quiet", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xronos.cli",
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--steps",
+        str(steps),
+        "--seq-len",
+        str(seq_len),
+        "--batch-size",
+        str(batch_size),
+        "--lr",
+        "1e-3",
+        "--no-shuffle",
+        "--job-id",
+        job_id,
+        "--output",
+        str(output),
+        "--wait",
+        "--timeout",
+        "300",
+        "--quiet",
+        *extra,
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
     log.write_text(result.stdout + result.stderr)
     return result

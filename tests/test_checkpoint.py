@@ -15,8 +15,19 @@ from xronos.contract.job import JobOptions
 
 
 def _job(model, data, out, mode, **kw):
-    return JobOptions(model=str(model), data=str(data), output=str(out), mode=mode, steps=6, batch_size=4,
-                      seq_len=SEQ_LEN, lr=2e-3, seed=5, checkpoint_every=3, **kw)
+    return JobOptions(
+        model=str(model),
+        data=str(data),
+        output=str(out),
+        mode=mode,
+        steps=6,
+        batch_size=4,
+        seq_len=SEQ_LEN,
+        lr=2e-3,
+        seed=5,
+        checkpoint_every=3,
+        **kw,
+    )
 
 
 def test_resume_with_another_split_continues_the_same_training(model_dir, data_file, tmp_path):
@@ -73,7 +84,11 @@ def test_streamed_safetensors_split_into_indexed_files(tmp_path):
     shapes = {k: v.shape for k, v in tensors.items()}
     checkpoint.write_safetensors(tmp_path, "model", shapes, iter(tensors.items()), max_bytes=48)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
-    assert files == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+    assert files == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+    ]
     assert torch.equal(load(tmp_path / files[1])["b.weight"], tensors["b.weight"])
     reader = SafetensorsReader(tmp_path)
     assert torch.equal(reader.read("a", Slice(1, 1, 3)), tensors["a"][:, 1:3])

@@ -25,23 +25,43 @@ def run_cli(args, capsys):
 
 
 def base_args(model, data, out):
-    return ["run", "--model", str(model), "--data", str(data), "--output", str(out), "--steps", "2",
-            "--batch-size", "2", "--seq-len", str(SEQ_LEN), "--quiet"]
+    return [
+        "run",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--quiet",
+    ]
 
 
 def test_split_that_does_not_sum(model_dir, data_file, tmp_path, capsys):
-    code, err = run_cli(base_args(model_dir("mha_untied"), data_file, tmp_path) + ["--nodes", "3", "--split", "kv=5/2/2"], capsys)
+    code, err = run_cli(
+        base_args(model_dir("mha_untied"), data_file, tmp_path) + ["--nodes", "3", "--split", "kv=5/2/2"], capsys
+    )
     assert code == 2 and err == ["xronos: error: split kv_groups 5+2+2=9 does not sum to the model's 8"]
 
 
 def test_split_with_wrong_rank_count(model_dir, data_file, tmp_path, capsys):
-    code, err = run_cli(base_args(model_dir("mha_untied"), data_file, tmp_path) + ["--nodes", "3", "--split", "kv=4/4"], capsys)
+    code, err = run_cli(
+        base_args(model_dir("mha_untied"), data_file, tmp_path) + ["--nodes", "3", "--split", "kv=4/4"], capsys
+    )
     assert code == 2 and len(err) == 1 and "one entry per rank" in err[0]
 
 
 def test_missing_model_directory(data_file, tmp_path, capsys):
     code, err = run_cli(base_args(tmp_path / "nope", data_file, tmp_path / "o"), capsys)
-    assert code == 2 and err == [f"xronos: error: model directory '{tmp_path / 'nope'}' has no config.json (expected a Hugging Face model)"]
+    assert code == 2 and err == [
+        f"xronos: error: model directory '{tmp_path / 'nope'}' has no config.json (expected a Hugging Face model)"
+    ]
 
 
 def test_unsupported_architecture(data_file, tmp_path, capsys):
@@ -80,8 +100,16 @@ def _alive(pid: int) -> bool:
 
 def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_path):
     """SIGKILL rank 1 mid-job: the launcher stops the others and names rank 1 and the signal."""
-    cmd = [sys.executable, "-m", "xronos.cli", *base_args(model_dir("mha_untied"), data_file, tmp_path / "o"),
-           "--nodes", "3", "--mode", "tp"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xronos.cli",
+        *base_args(model_dir("mha_untied"), data_file, tmp_path / "o"),
+        "--nodes",
+        "3",
+        "--mode",
+        "tp",
+    ]
     cmd[cmd.index("--steps") + 1] = "100000"
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 120
@@ -105,21 +133,44 @@ def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_pat
 
 def test_a_failed_worker_is_explained_by_its_exception_in_one_line():
     """The exception line of the worker's last traceback, with what pydantic adds after it (field, value)."""
-    tail = ["Traceback (most recent call last):", '  File "worker.py", line 9, in main',
-            "pydantic_core._pydantic_core.ValidationError: 1 validation error for DeviceProfile",
-            "kv_fixed_seconds", "  Input should be greater than or equal to 0 [input_value=-5.6e-17]",
-            "    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal"]
-    assert last_error(tail) == ("ValidationError: 1 validation error for DeviceProfile kv_fixed_seconds "
-                                "Input should be greater than or equal to 0 [input_value=-5.6e-17]")
-    assert last_error(["step 3 ok", "torch.distributed.DistBackendError: [gloo] closed by peer"]) == \
-        "DistBackendError: [gloo] closed by peer"
+    tail = [
+        "Traceback (most recent call last):",
+        '  File "worker.py", line 9, in main',
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for DeviceProfile",
+        "kv_fixed_seconds",
+        "  Input should be greater than or equal to 0 [input_value=-5.6e-17]",
+        "    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal",
+    ]
+    assert last_error(tail) == (
+        "ValidationError: 1 validation error for DeviceProfile kv_fixed_seconds "
+        "Input should be greater than or equal to 0 [input_value=-5.6e-17]"
+    )
+    assert (
+        last_error(["step 3 ok", "torch.distributed.DistBackendError: [gloo] closed by peer"])
+        == "DistBackendError: [gloo] closed by peer"
+    )
     assert last_error(["loss 2.31", "", "Killed"]) == "Killed"  # no traceback: the last line
     assert last_error([]) == ""
 
 
 def test_bench_refuses_pp_micro_batches_that_do_not_divide_the_batch(model_dir, data_file, tmp_path, capsys):
-    args = ["bench", "--model", str(model_dir("mha_untied")), "--data", str(data_file), "--output", str(tmp_path),
-            "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--modes", "pp,tp", "--pp-micro-batches", "2,3"]
+    args = [
+        "bench",
+        "--model",
+        str(model_dir("mha_untied")),
+        "--data",
+        str(data_file),
+        "--output",
+        str(tmp_path),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--modes",
+        "pp,tp",
+        "--pp-micro-batches",
+        "2,3",
+    ]
     code, err = run_cli(args, capsys)
     assert code == 2 and err == ["xronos: error: --pp-micro-batches 3 does not divide --batch-size 4"]
 
@@ -128,7 +179,11 @@ def test_bench_runs_pp_once_per_micro_batch_count():
     from xronos.bench import bench_runs
 
     assert bench_runs(["xronos", "pp", "tp"], [2, 4]) == [
-        ("xronos", "xronos", None), ("pp m=2", "pp", 2), ("pp m=4", "pp", 4), ("tp", "tp", None)]
+        ("xronos", "xronos", None),
+        ("pp m=2", "pp", 2),
+        ("pp m=4", "pp", 4),
+        ("tp", "tp", None),
+    ]
     assert bench_runs(["pp"], [2]) == [("pp", "pp", 2)]
     assert bench_runs(["pp", "single"], None) == [("pp", "pp", None), ("single", "single", None)]
 
@@ -137,13 +192,29 @@ def test_bench_rounds_report_the_median_round_and_ratios_round_by_round(model_di
     from xronos.bench import layouts_by_round, median_round, round_ratios
 
     assert layouts_by_round(["kv 2/1 · mlp 1088/448", "kv 2/1/0 · mlp 960/384/192*"], [0.035, 0.061]) == (
-        "1: kv 2/1 · mlp 1088/448 (idle 3.5%); 2: kv 2/1/0 · mlp 960/384/192* (idle 6.1%)")
+        "1: kv 2/1 · mlp 1088/448 (idle 3.5%); 2: kv 2/1/0 · mlp 960/384/192* (idle 6.1%)"
+    )
     assert layouts_by_round(["kv 1/1/1", "kv 1/1/1"], [0.04, 0.05]) is None  # the same plan every round
     assert median_round([3.0, 1.0, 2.0]) == 2
     assert median_round([4.0, 1.0, 3.0, 2.0]) == 3  # of an even number, the lower middle one
     assert round_ratios({"xronos": [2.0, 3.0], "tp": [4.0, 5.0]}, "xronos", "tp") == [0.5, 0.6]
-    args = ["bench", "--model", str(model_dir("mha_untied")), "--data", str(data_file), "--output", str(tmp_path),
-            "--batch-size", "4", "--seq-len", str(SEQ_LEN), "--modes", "tp", "--rounds", "0"]
+    args = [
+        "bench",
+        "--model",
+        str(model_dir("mha_untied")),
+        "--data",
+        str(data_file),
+        "--output",
+        str(tmp_path),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--modes",
+        "tp",
+        "--rounds",
+        "0",
+    ]
     code, err = run_cli(args, capsys)
     assert code == 2 and err == ["xronos: error: --rounds must be at least 1, got 0"]
 
@@ -154,7 +225,8 @@ def test_bench_idle_summary_gives_each_round_and_their_mean():
     rounds = {"xronos": [0.049, 0.053, 0.015], "tp": [0.36, 0.362, 0.35]}
     assert idle_summary(0.053, 0.362, 0.044, rounds) == (
         "idle: xronos 5.3% (its plan predicted 4.4%), tp 36.2% (6.8x less); by round xronos 4.9% 5.3% 1.5%,"
-        " tp 36.0% 36.2% 35.0%; mean over rounds xronos 3.9%, tp 35.7% (9.2x less)")
+        " tp 36.0% 36.2% 35.0%; mean over rounds xronos 3.9%, tp 35.7% (9.2x less)"
+    )
     assert idle_summary(0.05, 0.1, None, {"xronos": [0.05], "tp": [0.1]}) == "idle: xronos 5.0%, tp 10.0% (2.0x less)"
 
 
@@ -163,9 +235,30 @@ def test_bench_json_keeps_every_round(model_dir, data_file, tmp_path, capsys):
     from xronos.bench import BenchResult, median_round
 
     out = tmp_path / "bench.json"
-    args = ["bench", "--model", str(model_dir("mha_untied")), "--data", str(data_file), "--output", str(tmp_path / "b"),
-            "--batch-size", "2", "--seq-len", str(SEQ_LEN), "--steps", "3", "--nodes", "2", "--modes", "tp,single",
-            "--rounds", "2", "--quiet", "--json", str(out)]
+    args = [
+        "bench",
+        "--model",
+        str(model_dir("mha_untied")),
+        "--data",
+        str(data_file),
+        "--output",
+        str(tmp_path / "b"),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--steps",
+        "3",
+        "--nodes",
+        "2",
+        "--modes",
+        "tp,single",
+        "--rounds",
+        "2",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = BenchResult.model_validate_json(out.read_text())
     for mode in ("tp", "single"):
@@ -181,14 +274,20 @@ def test_split_marks_the_ranks_whose_weight_gradients_come_later():
     from xronos.contract.splits import parse_split
 
     assert parse_split("kv=2/1/0,mlp=896/384/256*,vocab=1/2/3") == {
-        "weight_grads_later": [False, False, True], "kv_groups": [2, 1, 0], "mlp_columns": [896, 384, 256],
-        "vocab_rows": [1, 2, 3]}
+        "weight_grads_later": [False, False, True],
+        "kv_groups": [2, 1, 0],
+        "mlp_columns": [896, 384, 256],
+        "vocab_rows": [1, 2, 3],
+    }
     assert "weight_grads_later" not in parse_split("kv=2/1/0,mlp=896/384/256")
     assert parse_split("kv=1/1/1*,mlp=512/512/512")["attention_weight_grads_later"] == [False, False, True]
     # vocabulary sizes say how many of their rows' weight gradients come later
     assert parse_split("kv=2/1/0,mlp=896/384/256,vocab=512/256*64/256*256") == {
-        "kv_groups": [2, 1, 0], "mlp_columns": [896, 384, 256], "vocab_rows_later": [0, 64, 256],
-        "vocab_rows": [512, 256, 256]}
+        "kv_groups": [2, 1, 0],
+        "mlp_columns": [896, 384, 256],
+        "vocab_rows_later": [0, 64, 256],
+        "vocab_rows": [512, 256, 256],
+    }
     with pytest.raises(ValueError, match="a vocabulary size's mark is"):
         parse_split("kv=2/1/0,mlp=896/384/256,vocab=1/2*/3")
     with pytest.raises(ValueError, match="only kv, mlp and vocab sizes take a"):

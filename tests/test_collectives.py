@@ -79,8 +79,9 @@ def _holders_ranks(rank: int, world: int, port: int, results) -> None:
                 # A rank without a share adds zeros; where it is left out (the hub, or one holder's
                 # broadcast; the ring keeps its zeros) it gets garbage instead, to see it is.
                 left_out = hub is not None or len(holders) == 1
-                skipped = all_reduce(x.clone() if rank in holders else torch.full_like(x, 1e6 if left_out else 0.0),
-                                     closes="mlp_columns")
+                skipped = all_reduce(
+                    x.clone() if rank in holders else torch.full_like(x, 1e6 if left_out else 0.0), closes="mlp_columns"
+                )
                 use_holders({})
                 full = all_reduce(x.clone() if rank in holders else torch.zeros_like(x), closes="mlp_columns")
                 out[(hub, holders)] = (skipped, full)

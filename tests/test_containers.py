@@ -20,17 +20,25 @@ import yaml
 
 from xronos.cli import build_parser
 from xronos.contract.errors import XronosError
-from xronos.healthcheck import check, metrics_port
 from xronos.contract.metrics_http import MetricsEndpoint
 from xronos.contract.mqtt import BrokerSettings, Bus, broker_address
+from xronos.healthcheck import check, metrics_port
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "compose.yaml"
 XRONOS_IMAGE = "${XRONOS_IMAGE:-xronos:latest}"
 # what compose.yaml requires from .env; docker-compose refuses to interpolate without them
-COMPOSE_ENV = {name: "x" for name in (
-    "XRONOS_PASSWORD_CONTROLLER", "XRONOS_PASSWORD_OPERATOR", "XRONOS_PASSWORD_NODE_A", "XRONOS_PASSWORD_NODE_B",
-    "XRONOS_PASSWORD_NODE_C", "GRAFANA_ADMIN_PASSWORD")} | {"XRONOS_MOSQUITTO_PASSWD": "./deploy/mosquitto/passwd"}
+COMPOSE_ENV = {
+    name: "x"
+    for name in (
+        "XRONOS_PASSWORD_CONTROLLER",
+        "XRONOS_PASSWORD_OPERATOR",
+        "XRONOS_PASSWORD_NODE_A",
+        "XRONOS_PASSWORD_NODE_B",
+        "XRONOS_PASSWORD_NODE_C",
+        "GRAFANA_ADMIN_PASSWORD",
+    )
+} | {"XRONOS_MOSQUITTO_PASSWD": "./deploy/mosquitto/passwd"}
 
 
 def compose_services() -> dict:
@@ -68,10 +76,16 @@ def unknown_cli_use(services: dict) -> list[str]:
                 problems.append(f"{name}: no subcommand {command[0]!r}")
             else:
                 options = {o for a in sub._actions for o in a.option_strings}
-                problems += [f"{name}: xronos {command[0]} has no {arg.split('=')[0]}" for arg in command[1:]
-                             if arg.startswith("--") and arg.split("=")[0] not in options]
-        problems += [f"{name}: no setting reads {var}" for var in service.get("environment") or {}
-                     if var.startswith("XRONOS_") and var not in known_env]
+                problems += [
+                    f"{name}: xronos {command[0]} has no {arg.split('=')[0]}"
+                    for arg in command[1:]
+                    if arg.startswith("--") and arg.split("=")[0] not in options
+                ]
+        problems += [
+            f"{name}: no setting reads {var}"
+            for var in service.get("environment") or {}
+            if var.startswith("XRONOS_") and var not in known_env
+        ]
     return problems
 
 
@@ -98,14 +112,23 @@ def test_compose_config_validates():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XRONOS_", "GRAFANA_"))} | COMPOSE_ENV
     done = subprocess.run([tool, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    missing = subprocess.run([tool, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=REPO,
-                             env={k: v for k, v in env.items() if k != "XRONOS_PASSWORD_NODE_B"})
+    missing = subprocess.run(
+        [tool, "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={k: v for k, v in env.items() if k != "XRONOS_PASSWORD_NODE_B"},
+    )
     assert missing.returncode != 0 and '"node-b": set it in .env' in missing.stderr, missing.stderr
 
 
 def test_every_file_compose_mounts_from_the_repository_exists():
-    mounts = [(name, volume.split(":")[0]) for name, service in compose_services().items()
-              for volume in service.get("volumes") or [] if volume.startswith("./")]
+    mounts = [
+        (name, volume.split(":")[0])
+        for name, service in compose_services().items()
+        for volume in service.get("volumes") or []
+        if volume.startswith("./")
+    ]
     assert len(mounts) >= 7  # mosquitto.conf, acl, prometheus.yml, alerts.yml, targets, provisioning, dashboards
     missing = [f"{name}: {source}" for name, source in mounts if not (REPO / source).exists()]
     assert not missing, missing
@@ -116,17 +139,33 @@ def test_the_cluster_is_the_one_the_conventions_name():
     nodes = {n: s for n, s in services.items() if (s.get("command") or [""])[0] == "node"}
     assert sorted(nodes) == ["node-a", "node-b", "node-c"]
     assert len({s["cpus"] for s in nodes.values()}) == 3 and len({s["mem_limit"] for s in nodes.values()}) == 3
-    ports = {n: s["command"][s["command"].index("--metrics-port") + 1] for n, s in services.items()
-             if "--metrics-port" in (s.get("command") or [])}
+    ports = {
+        n: s["command"][s["command"].index("--metrics-port") + 1]
+        for n, s in services.items()
+        if "--metrics-port" in (s.get("command") or [])
+    }
     assert ports == {"controller": "9100", "node-a": "9101", "node-b": "9102", "node-c": "9103"}
     assert all(s.get("network_mode") == "host" for s in services.values())
     assert all(s.get("restart") for s in services.values())
     assert all("healthcheck" in s for s in services.values())
-    mounted = {v.removesuffix(":ro").removesuffix(":rw").rpartition(":")[2]
-               for s in services.values() for v in s.get("volumes") or []}
-    assert {"/mosquitto/config/mosquitto.conf", "/mosquitto/config/acl", "/mosquitto/config/passwd",
-            "/etc/prometheus/prometheus.yml", "/etc/prometheus/alerts.yml", "/etc/prometheus/targets",
-            "/etc/grafana/provisioning", "/var/lib/grafana/dashboards", "/models", "/data", "/checkpoints"} <= mounted
+    mounted = {
+        v.removesuffix(":ro").removesuffix(":rw").rpartition(":")[2]
+        for s in services.values()
+        for v in s.get("volumes") or []
+    }
+    assert {
+        "/mosquitto/config/mosquitto.conf",
+        "/mosquitto/config/acl",
+        "/mosquitto/config/passwd",
+        "/etc/prometheus/prometheus.yml",
+        "/etc/prometheus/alerts.yml",
+        "/etc/prometheus/targets",
+        "/etc/grafana/provisioning",
+        "/var/lib/grafana/dashboards",
+        "/models",
+        "/data",
+        "/checkpoints",
+    } <= mounted
 
 
 def test_every_flag_and_variable_compose_uses_exists_in_the_cli():
@@ -135,12 +174,17 @@ def test_every_flag_and_variable_compose_uses_exists_in_the_cli():
 
 def test_a_flag_or_variable_the_cli_lacks_is_caught():
     services = compose_services()
-    services["node-a"] = dict(services["node-a"], command=services["node-a"]["command"] + ["--no-such-flag", "1"],
-                              environment=dict(services["node-a"]["environment"], XRONOS_NO_SUCH="1"))
+    services["node-a"] = dict(
+        services["node-a"],
+        command=services["node-a"]["command"] + ["--no-such-flag", "1"],
+        environment=dict(services["node-a"]["environment"], XRONOS_NO_SUCH="1"),
+    )
     services["controller"] = dict(services["controller"], command=["controler"])
-    assert unknown_cli_use(services) == ["controller: no subcommand 'controler'",
-                                         "node-a: xronos node has no --no-such-flag",
-                                         "node-a: no setting reads XRONOS_NO_SUCH"]
+    assert unknown_cli_use(services) == [
+        "controller: no subcommand 'controler'",
+        "node-a: xronos node has no --no-such-flag",
+        "node-a: no setting reads XRONOS_NO_SUCH",
+    ]
 
 
 def test_what_xronos_deploy_runs_exists_in_the_cli():
@@ -149,13 +193,20 @@ def test_what_xronos_deploy_runs_exists_in_the_cli():
 
     device = Device(name="d", base_url="unix:///run/docker.sock", address="10.0.0.5")
     inventory = Inventory(broker="mqtt://10.0.0.1:1883", devices=[device])
-    service = {"image": XRONOS_IMAGE, "command": node_command(device), "environment": node_environment(inventory, device)}
+    service = {
+        "image": XRONOS_IMAGE,
+        "command": node_command(device),
+        "environment": node_environment(inventory, device),
+    }
     assert unknown_cli_use({"deployed": service}) == []
 
 
 # -- the image's health check ------------------------------------------------------------
 def test_the_health_check_finds_the_metrics_port_on_the_command_line():
-    assert metrics_port(["/usr/bin/docker-init", "--", "xronos", "node", "--node-id", "a", "--metrics-port", "9101"]) == 9101
+    assert (
+        metrics_port(["/usr/bin/docker-init", "--", "xronos", "node", "--node-id", "a", "--metrics-port", "9101"])
+        == 9101
+    )
     assert metrics_port(["xronos", "controller", "--metrics-port=9100"]) == 9100
     assert metrics_port(["xronos", "train", "--model", "m"]) is None
 
@@ -213,5 +264,5 @@ def test_ci_runs_the_smoke_script_in_a_stage_of_its_own():
     readme = (REPO / "README.md").read_text()
     tests = next(line for line in readme.splitlines() if line.endswith("python -m pytest -q"))
     assert ci.rstrip("\n").endswith("\n" + tests), "the last line of .ci/run must be the README's test command"
-    stage = ci[ci.index("# ===== stage: containers"):ci.index("# ===== the README's test command")]
+    stage = ci[ci.index("# ===== stage: containers") : ci.index("# ===== the README's test command")]
     assert "deploy/smoke.sh" in stage and "timeout" in stage

@@ -26,6 +26,7 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 import torch
+from live_cluster import train_by_command, wait_for, xronos_process
 from transformers import AutoModelForCausalLM
 
 from controller.registry import Registry
@@ -33,12 +34,11 @@ from controller.service import Controller, ControllerOptions
 from edge_node.agent import NodeAgent, NodeOptions
 from edge_node.launcher import run_local
 from edge_node.worker_process import free_port, stop_processes
-from live_cluster import train_by_command, wait_for, xronos_process
-from xronos.contract import wire
 from xronos.broker import EmbeddedBroker
+from xronos.contract import wire
 from xronos.contract.job import JobOptions
-from xronos.mosquitto import Mosquitto
 from xronos.contract.mqtt import BrokerSettings, Bus
+from xronos.mosquitto import Mosquitto
 from xronos.operator import cluster_status
 
 USERS = {"controller": "ctl-pw", "operator": "op-pw", "n0": "n0-pw", "n1": "n1-pw", "intruder": "in-pw"}
@@ -56,7 +56,9 @@ def metrics(port: int) -> dict[str, float]:
 
 
 def raw_client(url_port: int, user: str) -> paho.Client:
-    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"raw-{user}-{time.monotonic_ns()}", protocol=paho.MQTTv311)
+    client = paho.Client(
+        paho.CallbackAPIVersion.VERSION2, client_id=f"raw-{user}-{time.monotonic_ns()}", protocol=paho.MQTTv311
+    )
     client.username_pw_set(user, USERS[user])
     client.connect("127.0.0.1", url_port)
     client.loop_start()
@@ -73,14 +75,38 @@ def cluster(tmp_path_factory, model_dir, data_file):
     root = tmp_path_factory.mktemp("cluster")
     with Mosquitto(users=USERS) as broker:
         ports = {"controller": free_port(), "n0": free_port(), "n1": free_port()}
-        procs = [xronos("controller", "--metrics-port", str(ports["controller"]), "--state-dir", str(root / "state"),
-                        user="controller", url=broker.url, log=root / "controller.log")]
+        procs = [
+            xronos(
+                "controller",
+                "--metrics-port",
+                str(ports["controller"]),
+                "--state-dir",
+                str(root / "state"),
+                user="controller",
+                url=broker.url,
+                log=root / "controller.log",
+            )
+        ]
         for node in ("n0", "n1"):
-            procs.append(xronos("node", "--node-id", node, "--metrics-port", str(ports[node]), "--workdir",
-                                str(root / node), "--heartbeat-seconds", "1", user=node, url=broker.url,
-                                log=root / f"{node}.log"))
+            procs.append(
+                xronos(
+                    "node",
+                    "--node-id",
+                    node,
+                    "--metrics-port",
+                    str(ports[node]),
+                    "--workdir",
+                    str(root / node),
+                    "--heartbeat-seconds",
+                    "1",
+                    user=node,
+                    url=broker.url,
+                    log=root / f"{node}.log",
+                )
+            )
         settings = BrokerSettings(broker=broker.url, username="operator", password=USERS["operator"])
         try:
+
             def controller_sees_both():
                 try:
                     return metrics(ports["controller"]).get("xronos_nodes_online") == 2
@@ -88,8 +114,15 @@ def cluster(tmp_path_factory, model_dir, data_file):
                     return False
 
             wait_for(controller_sees_both, 90, "the controller to see both nodes online", poll=0.5)
-            yield dict(root=root, broker=broker, ports=ports, settings=settings, procs=procs,
-                       model=model_dir("gqa_tied"), data=data_file)
+            yield dict(
+                root=root,
+                broker=broker,
+                ports=ports,
+                settings=settings,
+                procs=procs,
+                model=model_dir("gqa_tied"),
+                data=data_file,
+            )
         finally:
             stop_processes(procs, grace=15)
             for p in procs:
@@ -98,9 +131,19 @@ def cluster(tmp_path_factory, model_dir, data_file):
 
 def train(cluster, job_id: str, *extra: str, log_name: str) -> subprocess.CompletedProcess:
     root = cluster["root"]
-    return train_by_command(cluster["broker"].url, USERS["operator"], cluster["model"], cluster["data"],
-                            root / f"out-{job_id}", job_id, *extra, steps=STEPS, seq_len=SEQ, batch_size=BATCH,
-                            log=root / log_name)
+    return train_by_command(
+        cluster["broker"].url,
+        USERS["operator"],
+        cluster["model"],
+        cluster["data"],
+        root / f"out-{job_id}",
+        job_id,
+        *extra,
+        steps=STEPS,
+        seq_len=SEQ,
+        batch_size=BATCH,
+        log=root / log_name,
+    )
 
 
 def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(cluster, tmp_path):
@@ -113,18 +156,33 @@ def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(clus
         (intruder, hb, json.dumps({"schema_version": 2, "node_id": "intruder", "state": "idle"}).encode()),
         (intruder, hb, b" " * (wire.MAX_PAYLOAD_BYTES + 10)),
         (intruder, hb, wire.Heartbeat(node_id="intruder", state="idle").model_dump_json().encode()),  # never born
-        (intruder, "xronos/nodes/n0/assignment",  # the ACL drops it: only the controller writes assignments
-         wire.Assignment(job_id="evil", node_id="n0", phase="profile", job=job).model_dump_json().encode()),
+        (
+            intruder,
+            "xronos/nodes/n0/assignment",  # the ACL drops it: only the controller writes assignments
+            wire.Assignment(job_id="evil", node_id="n0", phase="profile", job=job).model_dump_json().encode(),
+        ),
         (operator, "xronos/cmd/train", b"[1, 2, 3]"),
         (operator, "xronos/cmd/stop", wire.StopCommand(job_id="nosuchjob").model_dump_json().encode()),
-        (operator, "xronos/cmd/train", wire.TrainCommand(job_id="ghostly", job=job, nodes=["n0", "ghost"])
-         .model_dump_json().encode()),
+        (
+            operator,
+            "xronos/cmd/train",
+            wire.TrainCommand(job_id="ghostly", job=job, nodes=["n0", "ghost"]).model_dump_json().encode(),
+        ),
     ]
     for client, topic, payload in bad:
         client.publish(topic, payload, qos=1).wait_for_publish(5)
 
-    result = train(cluster, "good-1", "--mode", "tp", "--nodes", "n0,n1", "--report", str(tmp_path / "r.json"),
-                   log_name="train-good.log")
+    result = train(
+        cluster,
+        "good-1",
+        "--mode",
+        "tp",
+        "--nodes",
+        "n0,n1",
+        "--report",
+        str(tmp_path / "r.json"),
+        log_name="train-good.log",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "completed: model written to" in result.stdout
     report = json.loads((tmp_path / "r.json").read_text())
@@ -133,9 +191,21 @@ def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(clus
 
     # same math as one process: the report's losses and the exported weights
     out = cluster["root"] / "out-good-1"
-    reference = run_local(JobOptions(model=str(cluster["model"]), data=str(cluster["data"]), output=str(tmp_path / "single"),
-                                     mode="single", steps=STEPS, batch_size=BATCH, seq_len=SEQ, lr=1e-3, shuffle=False),
-                          1, show_progress=False)
+    reference = run_local(
+        JobOptions(
+            model=str(cluster["model"]),
+            data=str(cluster["data"]),
+            output=str(tmp_path / "single"),
+            mode="single",
+            steps=STEPS,
+            batch_size=BATCH,
+            seq_len=SEQ,
+            lr=1e-3,
+            shuffle=False,
+        ),
+        1,
+        show_progress=False,
+    )
     assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
     trained = AutoModelForCausalLM.from_pretrained(out)
     single = AutoModelForCausalLM.from_pretrained(tmp_path / "single")
@@ -164,8 +234,13 @@ def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(clus
 def train_long_in_background(cluster, job_id: str) -> tuple[threading.Thread, dict]:
     """`xronos train --wait` of a job far too long to finish, in a thread; its result lands in the dict."""
     done: dict = {}
-    runner = threading.Thread(target=lambda: done.update(result=train(
-        cluster, job_id, "--mode", "tp", "--nodes", "n0,n1", "--steps", "3000", log_name=f"train-{job_id}.log")))
+    runner = threading.Thread(
+        target=lambda: done.update(
+            result=train(
+                cluster, job_id, "--mode", "tp", "--nodes", "n0,n1", "--steps", "3000", log_name=f"train-{job_id}.log"
+            )
+        )
+    )
     runner.start()
     return runner, done
 
@@ -207,12 +282,20 @@ def test_a_stop_command_stops_the_job_and_its_workers(cluster):
     runner, done = train_long_in_background(cluster, "halted")
     wait_for(lambda: (root / "n0" / "jobs" / "halted" / "progress.jsonl").is_file(), 120, "the job to train")
     operator = raw_client(cluster["broker"].port, "operator")
-    operator.publish(wire.STOP.name(), wire.StopCommand(job_id="halted").model_dump_json().encode(), qos=1).wait_for_publish(5)
+    operator.publish(
+        wire.STOP.name(), wire.StopCommand(job_id="halted").model_dump_json().encode(), qos=1
+    ).wait_for_publish(5)
     runner.join(timeout=60)
     result = done["result"]
     assert result.returncode != 0 and "job halted stopped: stopped by command" in result.stderr
-    wait_for(lambda: not processes_mentioning(str(root / "n0" / "jobs" / "halted")) and
-             not processes_mentioning(str(root / "n1" / "jobs" / "halted")), 20, "the workers to stop")
+    wait_for(
+        lambda: (
+            not processes_mentioning(str(root / "n0" / "jobs" / "halted"))
+            and not processes_mentioning(str(root / "n1" / "jobs" / "halted"))
+        ),
+        20,
+        "the workers to stop",
+    )
     operator.loop_stop()
 
 
@@ -242,9 +325,19 @@ def test_readme_mosquitto_pub_example_trains_a_job_to_completion(cluster, tmp_pa
     wire.TRAIN.decode(pub[at].encode())  # as written, before the test's own paths and sizes
     command = json.loads(pub[at])
     job = command["job"]
-    assert job["model"].startswith("/models/") and job["data"].startswith("/data/") and job["output"].startswith("/models/")
-    job.update(model=str(cluster["model"]), data=str(cluster["data"]), output=str(tmp_path / "out"),
-               steps=3, batch_size=BATCH, seq_len=SEQ)
+    assert (
+        job["model"].startswith("/models/")
+        and job["data"].startswith("/data/")
+        and job["output"].startswith("/models/")
+    )
+    job.update(
+        model=str(cluster["model"]),
+        data=str(cluster["data"]),
+        output=str(tmp_path / "out"),
+        steps=3,
+        batch_size=BATCH,
+        seq_len=SEQ,
+    )
     pub[at] = json.dumps(command)
     published = subprocess.run(pub, capture_output=True, text=True, timeout=30)
     assert published.returncode == 0, published.stderr
@@ -293,8 +386,9 @@ def test_controller_and_node_drop_forgeries_and_reconnect_on_an_open_broker(open
     garbage to a node is counted and dropped; both come back after the broker restarts."""
     broker, settings = open_broker
     controller = Controller(ControllerOptions(heartbeat_timeout=30), settings).start()
-    agent = NodeAgent(NodeOptions(node_id="gw-1", workdir=tmp_path / "gw-1", heartbeat_seconds=0.3,
-                                  startup_profile=False), settings)
+    agent = NodeAgent(
+        NodeOptions(node_id="gw-1", workdir=tmp_path / "gw-1", heartbeat_seconds=0.3, startup_profile=False), settings
+    )
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     forger = Bus(settings, "forger").start()
@@ -304,7 +398,9 @@ def test_controller_and_node_drop_forgeries_and_reconnect_on_an_open_broker(open
         forger.client.publish("xronos/nodes/gw-1/assignment", b"\xff\xfe garbage", qos=1)
         wait_for(lambda: agent.bus.invalid["nodes/+/assignment"] >= 1, 10, "the node to drop garbage")
         wait_for(lambda: controller.bus.invalid["nodes/+/assignment"] >= 1, 10, "the controller to drop garbage")
-        forger.publish(wire.ASSIGNMENT, "gw-1", wire.Assignment(job_id="forged", node_id="gw-1", phase="profile", job=job))
+        forger.publish(
+            wire.ASSIGNMENT, "gw-1", wire.Assignment(job_id="forged", node_id="gw-1", phase="profile", job=job)
+        )
         wait_for(lambda: controller.bus.invalid["nodes/+/assignment"] >= 2, 10, "the controller to see the forgery")
         # the controller cleared it: nothing retained remains for the node
         seen = []
@@ -352,8 +448,12 @@ def test_registry_declares_silent_nodes_lost():
 
 def test_demo_runs_the_whole_system_and_leaves_no_process(tmp_path):
     work = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "xronos.cli", "demo", "--workdir", str(work), "--steps", "3"],
-                            capture_output=True, text=True, timeout=500)
+    result = subprocess.run(
+        [sys.executable, "-m", "xronos.cli", "demo", "--workdir", str(work), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "publishing xronos/cmd/train" in result.stdout
     assert "xronos step time is" in result.stdout
@@ -366,19 +466,33 @@ def test_demo_runs_the_whole_system_and_leaves_no_process(tmp_path):
 def test_broker_command_requires_its_password_and_status_reads_through_it():
     port = free_port()
     env = {**os.environ, "XRONOS_USERNAME": "ops", "XRONOS_PASSWORD": "s3cret"}
-    proc = subprocess.Popen([sys.executable, "-m", "xronos.cli", "broker", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xronos.cli", "broker", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert "password required" in proc.stdout.readline()
         url = f"mqtt://127.0.0.1:{port}"
         with pytest.raises(Exception, match="Not authorized"):
             Bus(BrokerSettings(broker=url, username="ops", password="wrong"), "bad").start(wait=5)
-        status = subprocess.run([sys.executable, "-m", "xronos.cli", "status", "--json", "--listen", "0.5",
-                                 "--broker", url], env=env, capture_output=True, text=True, timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "xronos.cli", "status", "--json", "--listen", "0.5", "--broker", url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout) == {"nodes": [], "jobs": []}
-        missing = subprocess.run([sys.executable, "-m", "xronos.cli", "status", "--broker", "mqtt://127.0.0.1:1"],
-                                 capture_output=True, text=True, timeout=60)
+        missing = subprocess.run(
+            [sys.executable, "-m", "xronos.cli", "status", "--broker", "mqtt://127.0.0.1:1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert missing.returncode == 2 and missing.stderr.startswith("xronos: error: cannot connect to the broker")
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -14,12 +14,15 @@ import json
 import textwrap
 
 import pytest
-
 from docker_engine import Engine
+
 from xronos.cli import main
 
-PASSWORDS = {"XRONOS_PASSWORD_PYTEST_A": "pw-a-4c1f9e", "XRONOS_PASSWORD_PYTEST_B": "pw-b-77d0aa",
-             "XRONOS_PASSWORD_PYTEST_C": "pw-c-0b3e52"}
+PASSWORDS = {
+    "XRONOS_PASSWORD_PYTEST_A": "pw-a-4c1f9e",
+    "XRONOS_PASSWORD_PYTEST_B": "pw-b-77d0aa",
+    "XRONOS_PASSWORD_PYTEST_C": "pw-c-0b3e52",
+}
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +53,9 @@ def inventory(engine, tmp_path, monkeypatch):
     image = engine.tiny_image()
     for name, value in PASSWORDS.items():
         monkeypatch.setenv(name, value)
-    return write_inventory(tmp_path / "devices.yaml", f"""\
+    return write_inventory(
+        tmp_path / "devices.yaml",
+        f"""\
         image: {image}
         pull: never
         broker: mqtt://192.0.2.10:1883
@@ -74,7 +79,8 @@ def inventory(engine, tmp_path, monkeypatch):
           - name: car-1
             base_url: unix://{tmp_path}/no-engine-here.sock
             node_id: pytest-c
-        """)
+        """,
+    )
 
 
 def test_deploy_status_redeploy_and_remove_through_the_engine(engine, inventory, tmp_path, capsys):
@@ -103,7 +109,10 @@ def test_deploy_status_redeploy_and_remove_through_the_engine(engine, inventory,
     assert env["XRONOS_PASSWORD_FILE"] == "/run/secrets/xronos-mqtt-password" and "GLOO_SOCKET_IFNAME" not in env
     assert "GLOO_SOCKET_IFNAME=eth0" in b.attrs["Config"]["Env"]
     assert [m["Destination"] for m in a.attrs["Mounts"]] and {m["Name"] for m in a.attrs["Mounts"]} == {
-        "xronos-models", "xronos-data", "xronos-checkpoints"}
+        "xronos-models",
+        "xronos-data",
+        "xronos-checkpoints",
+    }
 
     # the password: in a file the node's user alone reads, nowhere else
     code_read, secret = a.exec_run(["cat", "/run/secrets/xronos-mqtt-password"])
@@ -133,7 +142,8 @@ def test_deploy_status_redeploy_and_remove_through_the_engine(engine, inventory,
     assert "removed xronos-node-pytest-a" in out and "removed xronos-node-pytest-b" in out
     assert not engine.client.containers.list(all=True, filters={"name": "xronos-node-pytest-"})
     assert json.loads(targets.read_text()) == [  # only the device that could not be reached may still run one
-        {"targets": ["127.0.0.1:9101"], "labels": {"role": "node", "device": "car-1"}}]
+        {"targets": ["127.0.0.1:9101"], "labels": {"role": "node", "device": "car-1"}}
+    ]
 
 
 def test_a_device_without_its_password_is_reported_and_left_as_it_was(engine, inventory, tmp_path, capsys, monkeypatch):
@@ -146,7 +156,9 @@ def test_a_device_without_its_password_is_reported_and_left_as_it_was(engine, in
 
 
 def test_dry_run_changes_nothing_and_shows_no_secret(engine, inventory, tmp_path, capsys):
-    code, out, err = run(["deploy", "--inventory", str(inventory), "--dry-run", "--targets", str(tmp_path / "t.json")], capsys)
+    code, out, err = run(
+        ["deploy", "--inventory", str(inventory), "--dry-run", "--targets", str(tmp_path / "t.json")], capsys
+    )
     assert code == 0 and err == []
     assert out.startswith("dry run: nothing is changed\n")
     assert "command   xronos node --node-id pytest-b --metrics-port 9182 --threads 1 --address 198.51.100.7" in out
@@ -159,33 +171,52 @@ def test_dry_run_changes_nothing_and_shows_no_secret(engine, inventory, tmp_path
 
 def test_a_missing_image_is_reported_per_device(engine, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XRONOS_PASSWORD_PYTEST_A", "x")
-    inventory = write_inventory(tmp_path / "devices.yaml", f"""\
+    inventory = write_inventory(
+        tmp_path / "devices.yaml",
+        f"""\
         image: xronos-test/not-built:here
         pull: never
         broker: mqtt://127.0.0.1:1883
         devices: [{{name: pytest-a, base_url: "{engine.url}"}}]
-        """)
+        """,
+    )
     code, out, err = run(["deploy", "--inventory", str(inventory), "--targets", str(tmp_path / "t.json")], capsys)
     assert code == 2 and "image xronos-test/not-built:here is not on the device (pull: never)" in err[0]
 
 
 BAD_INVENTORIES = [
-    ("broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'unix:///s', cpus: 0}\n",
-     "devices[0] (a).cpus: Input should be greater than 0"),
-    ("broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'tcp://10.0.0.2:2376'}\n",
-     "devices[0] (a): a tcp:// engine needs tls (ca_cert, client_cert, client_key)"),
-    ("broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'http://10.0.0.2'}\n",
-     "devices[0] (a): base_url 'http://10.0.0.2': use ssh://user@host, tcp://host:2376 or unix:///path"),
-    ("broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h', memory: lots}\n",
-     "devices[0] (a).memory: String should match pattern"),
-    ("broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h', password: hunter2}\n",
-     "devices[0] (a).password: Extra inputs are not permitted"),
-    ("broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n  - {name: b, base_url: 'ssh://g', node_id: a}\n",
-     "two devices have the node id 'a'"),
-    ("broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n  - {name: b, base_url: 'ssh://h'}\n",
-     "device 'b': another device on ssh://h has metrics_port 9101"),
-    ("broker: mqtts://b:8883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n",
-     "broker 'mqtts://b:8883': use mqtt://host:port (TLS for the broker is not supported yet)"),
+    (
+        "broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'unix:///s', cpus: 0}\n",
+        "devices[0] (a).cpus: Input should be greater than 0",
+    ),
+    (
+        "broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'tcp://10.0.0.2:2376'}\n",
+        "devices[0] (a): a tcp:// engine needs tls (ca_cert, client_cert, client_key)",
+    ),
+    (
+        "broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'http://10.0.0.2'}\n",
+        "devices[0] (a): base_url 'http://10.0.0.2': use ssh://user@host, tcp://host:2376 or unix:///path",
+    ),
+    (
+        "broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h', memory: lots}\n",
+        "devices[0] (a).memory: String should match pattern",
+    ),
+    (
+        "broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h', password: hunter2}\n",
+        "devices[0] (a).password: Extra inputs are not permitted",
+    ),
+    (
+        "broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n  - {name: b, base_url: 'ssh://g', node_id: a}\n",
+        "two devices have the node id 'a'",
+    ),
+    (
+        "broker: mqtt://b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n  - {name: b, base_url: 'ssh://h'}\n",
+        "device 'b': another device on ssh://h has metrics_port 9101",
+    ),
+    (
+        "broker: mqtts://b:8883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n",
+        "broker 'mqtts://b:8883': use mqtt://host:port (TLS for the broker is not supported yet)",
+    ),
     ("broker: mqtt://b:1883\ndevices: []\n", "devices: List should have at least 1 item"),
     ("devices:\n  - {name: a, base_url: 'ssh://h'}\n", "broker: Field required"),
     ("broker: [unclosed\n", "not valid YAML at line 2"),
@@ -204,4 +235,6 @@ def test_a_bad_inventory_is_one_line_naming_the_field(text, message, tmp_path, c
 
 def test_a_missing_inventory_is_one_line(tmp_path, capsys):
     code, out, err = run(["deploy", "status", "--inventory", str(tmp_path / "nope.yaml")], capsys)
-    assert code == 2 and err == [f"xronos: error: cannot read the inventory '{tmp_path / 'nope.yaml'}': No such file or directory"]
+    assert code == 2 and err == [
+        f"xronos: error: cannot read the inventory '{tmp_path / 'nope.yaml'}': No such file or directory"
+    ]

@@ -28,8 +28,18 @@ STEPS = 5
 
 
 def job(model, data, out, mode, **kw) -> JobOptions:
-    opts = dict(model=str(model), data=str(data), output=str(out), mode=mode, steps=STEPS,
-                batch_size=4, seq_len=SEQ_LEN, lr=2e-3, shuffle=True, seed=7)
+    opts = dict(
+        model=str(model),
+        data=str(data),
+        output=str(out),
+        mode=mode,
+        steps=STEPS,
+        batch_size=4,
+        seq_len=SEQ_LEN,
+        lr=2e-3,
+        shuffle=True,
+        seed=7,
+    )
     return JobOptions(**{**opts, **kw})
 
 
@@ -54,33 +64,81 @@ CASES = [
     # ranks 1 and 2 compute their MLP weight gradients later (rank 2 holds no attention, rank 0 no
     # MLP), ranks 0 and 2 their attention's (rank 2's attention is empty); rank 1 those of 50 of its
     # vocabulary rows (tied to the embedding), rank 2 of all of its
-    ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 0], "mlp_columns": [0, 64, 96], "vocab_rows": [200, 90, 30],
-                               "weight_grads_later": [False, True, True],
-                               "attention_weight_grads_later": [True, False, True],
-                               "vocab_rows_later": [0, 50, 30]}, {"collective": "hub"}),
+    (
+        "gqa_tied",
+        3,
+        "xronos",
+        {
+            "kv_groups": [2, 1, 0],
+            "mlp_columns": [0, 64, 96],
+            "vocab_rows": [200, 90, 30],
+            "weight_grads_later": [False, True, True],
+            "attention_weight_grads_later": [True, False, True],
+            "vocab_rows_later": [0, 50, 30],
+        },
+        {"collective": "hub"},
+    ),
     ("gqa_tied", 1, "tp", None, {}),
-    ("qwen2_gqa", 3, "xronos", {"kv_groups": [0, 1, 1], "mlp_columns": [77, 0, 51], "vocab_rows": [1, 300, 19]},
-     {"collective": "ring"}),
+    (
+        "qwen2_gqa",
+        3,
+        "xronos",
+        {"kv_groups": [0, 1, 1], "mlp_columns": [77, 0, 51], "vocab_rows": [1, 300, 19]},
+        {"collective": "ring"},
+    ),
     # KV groups shared by rows of each micro-batch: the strong bench's layout; a shared first group
     # before a whole one (q/k/v biases summed too) over two micro-batches of 2 rows (the shared
     # gradients are summed once per step, after both); a group shared three ways beside empty shards
-    ("gqa_tied", 3, "xronos", {"kv_groups": [2, 1, 1], "mlp_columns": [96, 32, 32], "vocab_rows": [160, 100, 60],
-                               "kv_rows": [None, (0, 3), (3, 4)]}, {"collective": "hub"}),
-    ("qwen2_gqa", 3, "xronos", {"kv_groups": [1, 1, 1], "mlp_columns": [64, 0, 64], "vocab_rows": [100, 120, 100],
-                                "kv_rows": [(0, 1), (1, 2), None], "weight_grads_later": [True, True, False],
-                                "attention_weight_grads_later": [False, True, True], "vocab_rows_later": [7, 0, 100]},
-     {"grad_accum": 2, "collective": "ring"}),
-    ("mha_untied", 4, "xronos", {"kv_groups": [7, 1, 1, 1], "mlp_columns": [128, 64, 0, 0],
-                                 "vocab_rows": [100, 0, 220, 0], "kv_rows": [None, (0, 1), (1, 3), (3, 4)]},
-     {"collective": "hub"}),
+    (
+        "gqa_tied",
+        3,
+        "xronos",
+        {
+            "kv_groups": [2, 1, 1],
+            "mlp_columns": [96, 32, 32],
+            "vocab_rows": [160, 100, 60],
+            "kv_rows": [None, (0, 3), (3, 4)],
+        },
+        {"collective": "hub"},
+    ),
+    (
+        "qwen2_gqa",
+        3,
+        "xronos",
+        {
+            "kv_groups": [1, 1, 1],
+            "mlp_columns": [64, 0, 64],
+            "vocab_rows": [100, 120, 100],
+            "kv_rows": [(0, 1), (1, 2), None],
+            "weight_grads_later": [True, True, False],
+            "attention_weight_grads_later": [False, True, True],
+            "vocab_rows_later": [7, 0, 100],
+        },
+        {"grad_accum": 2, "collective": "ring"},
+    ),
+    (
+        "mha_untied",
+        4,
+        "xronos",
+        {
+            "kv_groups": [7, 1, 1, 1],
+            "mlp_columns": [128, 64, 0, 0],
+            "vocab_rows": [100, 0, 220, 0],
+            "kv_rows": [None, (0, 1), (1, 3), (3, 4)],
+        },
+        {"collective": "hub"},
+    ),
 ]
 
 
 def _case_id(case) -> str:
     name, nodes, mode, split, options = case
-    return (f"{name}-{nodes}r-{mode}" + ("-rows" if split and "kv_rows" in split else "")
-            + ("-later" if split and "weight_grads_later" in split else "")
-            + "".join(f"-{k}{v}" for k, v in options.items()))
+    return (
+        f"{name}-{nodes}r-{mode}"
+        + ("-rows" if split and "kv_rows" in split else "")
+        + ("-later" if split and "weight_grads_later" in split else "")
+        + "".join(f"-{k}{v}" for k, v in options.items())
+    )
 
 
 def _rel(a: float, b: float) -> float:
@@ -93,8 +151,9 @@ def test_tp_equals_single(name, nodes, mode, split, options, model_dir, data_fil
     fewer rows make the same step as one batch (equal token counts)."""
     ref, ref_out = single_runs(name)
     out = tmp_path / "out"
-    report = run_local(job(model_dir(name), data_file, out, mode, **options), nodes, split_override=split,
-                       show_progress=False)
+    report = run_local(
+        job(model_dir(name), data_file, out, mode, **options), nodes, split_override=split, show_progress=False
+    )
 
     assert report.world_size == nodes
     if nodes > 1:  # the all-reduce asked for (without profiles the hub is rank 0)
@@ -134,10 +193,13 @@ def test_tp_equals_single(name, nodes, mode, split, options, model_dir, data_fil
     assert all("norm" in n for n in replicated)
     full_bytes = sum(s.numel() * 4 for s in shapes.values())
     norm_bytes = sum(shapes[n].numel() * 4 for n in replicated)
-    group_bytes = sum(shapes[n].numel() * 4 // dims.num_kv_heads for n in shapes
-                      if ".self_attn." in n and n not in replicated)
+    group_bytes = sum(
+        shapes[n].numel() * 4 // dims.num_kv_heads for n in shapes if ".self_attn." in n and n not in replicated
+    )
     copies = sum(rows is not None for _, rows in report.split.attention_shares()) - len(report.split.shared_kv_groups)
-    assert sum(node.param_bytes for node in report.nodes) == full_bytes + (nodes - 1) * norm_bytes + copies * group_bytes
+    assert (
+        sum(node.param_bytes for node in report.nodes) == full_bytes + (nodes - 1) * norm_bytes + copies * group_bytes
+    )
 
 
 @pytest.mark.parametrize("name,layers", [("gqa_tied", "0/1/1"), ("mha_untied", "1/1/0")])
@@ -145,8 +207,12 @@ def test_pipeline_baseline_equals_single(name, layers, model_dir, data_file, sin
     """The PP baseline (1F1B over micro-batches) trains the same model: same losses, same weights."""
     ref, ref_out = single_runs(name)
     out = tmp_path / "out"
-    report = run_local(job(model_dir(name), data_file, out, "pp", micro_batches=4), 3,
-                       split_override={"layers": [int(x) for x in layers.split("/")]}, show_progress=False)
+    report = run_local(
+        job(model_dir(name), data_file, out, "pp", micro_batches=4),
+        3,
+        split_override={"layers": [int(x) for x in layers.split("/")]},
+        show_progress=False,
+    )
     assert report.stages is not None and len(report.nodes) == 3
     for step, (got, want) in enumerate(zip(report.losses, ref.losses)):
         assert _rel(got, want) < 1e-5, f"step {step}: {got} vs {want}"
@@ -164,8 +230,12 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     ~10%, and under 4 ms quota periods profile noise made one CI run keep one device."""
     monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
     ref, _ = single_runs("gqa_wide")
-    report = run_local(job(model_dir("gqa_wide"), data_file, tmp_path / "out", "xronos", replan_after=1, steps=6), 3,
-                       speeds=[0.6, 0.5, 0.4], show_progress=False)
+    report = run_local(
+        job(model_dir("gqa_wide"), data_file, tmp_path / "out", "xronos", replan_after=1, steps=6),
+        3,
+        speeds=[0.6, 0.5, 0.4],
+        show_progress=False,
+    )
     assert report.predicted_step_seconds is not None and report.split.world_size == 3 - len(report.excluded)
     assert report.split.world_size >= 2, report.split
     assert len(report.losses) == 6
@@ -194,5 +264,8 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     assert len(report.profiles) == 3
     (tmp_path / "report.json").write_text(report.model_dump_json())
     capsys.readouterr()
-    assert main(["plan", "--profiles", str(tmp_path / "report.json"), "--model", str(model_dir("gqa_wide")), "--json"]) == 0
+    assert (
+        main(["plan", "--profiles", str(tmp_path / "report.json"), "--model", str(model_dir("gqa_wide")), "--json"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["predicted_idle_ratio"] == pytest.approx(report.predicted_idle_ratio)

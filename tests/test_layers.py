@@ -53,8 +53,12 @@ def imports(path: Path, text: str) -> list[tuple[int, str]]:
                 base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             out.append((node.lineno, base))
             # `from xronos import wire` imports the module xronos.wire, not only the package
-            out += [(node.lineno, f"{base}.{alias.name}") for alias in node.names if layer(f"{base}.{alias.name}")
-                    and (REPO / Path(*f"{base}.{alias.name}".split("."))).with_suffix(".py").is_file()]
+            out += [
+                (node.lineno, f"{base}.{alias.name}")
+                for alias in node.names
+                if layer(f"{base}.{alias.name}")
+                and (REPO / Path(*f"{base}.{alias.name}".split("."))).with_suffix(".py").is_file()
+            ]
     return out
 
 
@@ -79,12 +83,15 @@ def test_no_module_imports_a_layer_above_its_own():
     assert not found, "imports running back up the layers:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("source, target", [
-    ("xronos/contract/wire.py", "xronos.cli"),
-    ("xronos/planner/partitioner.py", "edge_node.profiler"),
-    ("edge_node/agent.py", "controller.registry"),
-    ("controller/service.py", "edge_node.worker_process"),
-])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ("xronos/contract/wire.py", "xronos.cli"),
+        ("xronos/planner/partitioner.py", "edge_node.profiler"),
+        ("edge_node/agent.py", "controller.registry"),
+        ("controller/service.py", "edge_node.worker_process"),
+    ],
+)
 def test_the_check_catches_an_import_running_back(source, target):
     path = REPO / source
     assert not violations(path)

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from live_cluster import train_by_command, wait_for, xronos_process
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge_node.toy_model import make_data, make_model
 from edge_node.worker_process import free_port, stop_processes
 from xronos.mosquitto import Mosquitto
-from live_cluster import train_by_command, wait_for, xronos_process
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
@@ -49,17 +49,27 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_shipped_prometheus_config_and_alert_rules_pass_promtool():
-    for args in (("check", "config", "prometheus.yml"), ("check", "rules", "alerts.yml"),
-                 ("test", "rules", "alerts_test.yml")):
+    for args in (
+        ("check", "config", "prometheus.yml"),
+        ("check", "rules", "alerts.yml"),
+        ("test", "rules", "alerts_test.yml"),
+    ):
         result = _promtool(*args)
         assert result.returncode == 0, f"promtool {' '.join(args)}:\n{result.stdout}{result.stderr}"
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case_in_the_promtool_tests():
-    alerts = {r["alert"] for g in yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())["groups"]
-              for r in g["rules"] if "alert" in r}
-    cases = [case for test in yaml.safe_load((PROMETHEUS_DIR / "alerts_test.yml").read_text())["tests"]
-             for case in test.get("alert_rule_test", [])]
+    alerts = {
+        r["alert"]
+        for g in yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
+    cases = [
+        case
+        for test in yaml.safe_load((PROMETHEUS_DIR / "alerts_test.yml").read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+    ]
     assert alerts == {"XronosNodeDown", "XronosStraggler", "XronosPlanOff", "XronosInvalidMessages", "XronosJobFailed"}
     for alert in alerts:
         mine = [c for c in cases if c["alertname"] == alert]
@@ -77,10 +87,13 @@ def panels(dashboard: dict):
 
 
 def test_dashboards_are_the_generators_output_with_a_unit_on_every_panel_and_the_provisioned_datasource():
-    result = subprocess.run([sys.executable, str(GRAFANA_DIR / "make_dashboards.py"), "--check"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, str(GRAFANA_DIR / "make_dashboards.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
-    datasource = yaml.safe_load((GRAFANA_DIR / "provisioning" / "datasources" / "xronos.yml").read_text())["datasources"][0]
+    datasource = yaml.safe_load((GRAFANA_DIR / "provisioning" / "datasources" / "xronos.yml").read_text())[
+        "datasources"
+    ][0]
     provider = yaml.safe_load((GRAFANA_DIR / "provisioning" / "dashboards" / "xronos.yml").read_text())["providers"][0]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
     assert dashboards(), "no dashboard under deploy/grafana/dashboards"
@@ -138,13 +151,21 @@ def start_prometheus(root: Path, controller_port: int, node_ports: dict[str, int
     jobs["xronos-nodes"]["static_configs"] = []
     jobs["xronos-nodes"]["file_sd_configs"][0]["refresh_interval"] = "1s"
     (root / "targets").mkdir()
-    (root / "targets" / "nodes.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{p}" for p in node_ports.values()],
-                                                              "labels": {"role": "node"}}]))
+    (root / "targets" / "nodes.json").write_text(
+        json.dumps([{"targets": [f"127.0.0.1:{p}" for p in node_ports.values()], "labels": {"role": "node"}}])
+    )
     (root / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    proc = subprocess.Popen(["prometheus", f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=(root / "prometheus.log").open("wb"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={root / 'prometheus.yml'}",
+            f"--storage.tsdb.path={root / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=(root / "prometheus.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def ready():
@@ -174,12 +195,37 @@ def monitored(tmp_path_factory):
     data = make_data(root / "rows.jsonl", rows=STEPS * BATCH, seq_len=SEQ_LEN + 4, vocab=MODEL["vocab"], seed=3)
     with Mosquitto(users=USERS) as broker:
         ports = {"controller": free_port(), **{n: free_port() for n in NODES}}
-        procs = [xronos_process("controller", "--metrics-port", str(ports["controller"]), user="controller",
-                                password=USERS["controller"], url=broker.url, log=root / "controller.log")]
+        procs = [
+            xronos_process(
+                "controller",
+                "--metrics-port",
+                str(ports["controller"]),
+                user="controller",
+                password=USERS["controller"],
+                url=broker.url,
+                log=root / "controller.log",
+            )
+        ]
         for node, speed in NODES.items():
-            procs.append(xronos_process("node", "--node-id", node, "--speed", str(speed), "--metrics-port", str(ports[node]),
-                                        "--workdir", str(root / node), "--heartbeat-seconds", "1", user=node,
-                                        password=USERS[node], url=broker.url, log=root / f"{node}.log"))
+            procs.append(
+                xronos_process(
+                    "node",
+                    "--node-id",
+                    node,
+                    "--speed",
+                    str(speed),
+                    "--metrics-port",
+                    str(ports[node]),
+                    "--workdir",
+                    str(root / node),
+                    "--heartbeat-seconds",
+                    "1",
+                    user=node,
+                    password=USERS[node],
+                    url=broker.url,
+                    log=root / f"{node}.log",
+                )
+            )
         scraper = Scraper(ports)
         prometheus = None
         try:
@@ -194,9 +240,22 @@ def monitored(tmp_path_factory):
             jobs = {}
             for mode in ("tp", "xronos", "pp"):
                 jobs[mode] = f"mon-{mode}"
-                result = train_by_command(broker.url, USERS["operator"], model, data,
-                                          root / f"out-{mode}", jobs[mode], "--mode", mode, "--nodes", ",".join(NODES),
-                                          steps=STEPS, seq_len=SEQ_LEN, batch_size=BATCH, log=root / f"train-{mode}.log")
+                result = train_by_command(
+                    broker.url,
+                    USERS["operator"],
+                    model,
+                    data,
+                    root / f"out-{mode}",
+                    jobs[mode],
+                    "--mode",
+                    mode,
+                    "--nodes",
+                    ",".join(NODES),
+                    steps=STEPS,
+                    seq_len=SEQ_LEN,
+                    batch_size=BATCH,
+                    log=root / f"train-{mode}.log",
+                )
                 assert result.returncode == 0, result.stdout + result.stderr
             time.sleep(3)  # the last steps scraped and the rules evaluated once more
             yield dict(url=url, start=start, end=time.time(), scraper=scraper, jobs=jobs, root=root)
@@ -222,7 +281,9 @@ def test_every_dashboard_query_returns_data_from_prometheus_scraping_live_jobs(m
     missing = []
     for name, dashboard in dashboards().items():
         for title, expr in expressions(dashboard):
-            data = prom(monitored["url"], "query_range", query=expr, start=monitored["start"], end=monitored["end"], step=1)
+            data = prom(
+                monitored["url"], "query_range", query=expr, start=monitored["start"], end=monitored["end"], step=1
+            )
             if not data["result"]:
                 missing.append(f"{name}: {title}: {expr}")
         for variable in dashboard["templating"]["list"]:
@@ -287,18 +348,46 @@ def test_under_the_even_split_the_fast_device_idles_more_than_the_slow_one(monit
 
 def test_xronos_run_serves_each_devices_metrics_while_it_runs(model_dir, data_file, tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "xronos.cli", "run", "--model", str(model_dir("gqa_tied")), "--data", str(data_file),
-           "--nodes", "2", "--mode", "tp", "--steps", "40", "--batch-size", "4", "--seq-len", "16", "--no-shuffle",
-           "--output", str(tmp_path / "out"), "--quiet", "--metrics-port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xronos.cli",
+        "run",
+        "--model",
+        str(model_dir("gqa_tied")),
+        "--data",
+        str(data_file),
+        "--nodes",
+        "2",
+        "--mode",
+        "tp",
+        "--steps",
+        "40",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--no-shuffle",
+        "--output",
+        str(tmp_path / "out"),
+        "--quiet",
+        "--metrics-port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+
         def device_1_stepped():
             try:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=1).read().decode()
             except OSError:
                 return None
-            counts = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-                      if s.name == "xronos_step_seconds_count" and s.labels["node"] == "device-1"]
+            counts = [
+                s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "xronos_step_seconds_count" and s.labels["node"] == "device-1"
+            ]
             return counts and counts[0] >= 1
 
         wait_for(device_1_stepped, 120, "device-1's metrics to count a step", poll=0.05)
@@ -326,6 +415,9 @@ def test_the_controller_keeps_the_series_of_the_last_finished_jobs_and_counts_ev
     exported = {s.labels["job_id"] for s in families["xronos_job_state"].samples}
     assert exported == set(jobs[-KEPT_FINISHED:])
     assert {s.labels["job_id"] for s in families["xronos_node_predicted_compute_seconds"].samples} == exported
-    finished = {s.labels["state"]: s.value for s in families["xronos_jobs_finished"].samples
-                if s.name == "xronos_jobs_finished_total"}
+    finished = {
+        s.labels["state"]: s.value
+        for s in families["xronos_jobs_finished"].samples
+        if s.name == "xronos_jobs_finished_total"
+    }
     assert finished == {"completed": 20.0, "failed": 5.0, "stopped": 0.0}

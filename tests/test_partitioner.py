@@ -8,31 +8,60 @@ import random
 
 import pytest
 
-from xronos.planner.cost_model import collective_seconds, segments, shared_grad_seconds, split_step_seconds, step_seconds, unit_bytes, vocab_later_seconds
-from xronos.planner.layouts import ROW_SHARE_MIN_GAIN
-from xronos.planner.partitioner import solve_members, plan_partition
-from xronos.planner.replan import recalibrate
 from xronos.cli import main
-from xronos.contract.profiles import (COMPUTE_FIELDS, DeviceProfile, ProfileShape, attention_backward_seconds,
-                             attention_weight_grad_seconds, weight_grad_seconds)
 from xronos.contract.errors import XronosError
+from xronos.contract.profiles import (
+    COMPUTE_FIELDS,
+    DeviceProfile,
+    ProfileShape,
+    attention_backward_seconds,
+    attention_weight_grad_seconds,
+    weight_grad_seconds,
+)
 from xronos.contract.splits import ModelDims, ShardSplit
+from xronos.planner.cost_model import (
+    collective_seconds,
+    segments,
+    shared_grad_seconds,
+    split_step_seconds,
+    step_seconds,
+    unit_bytes,
+    vocab_later_seconds,
+)
+from xronos.planner.layouts import ROW_SHARE_MIN_GAIN
+from xronos.planner.partitioner import plan_partition, solve_members
+from xronos.planner.replan import recalibrate
 
 # 2 KV groups, 16 MLP blocks of 1 column, 16 vocabulary blocks of 1 row.
-DIMS = ModelDims(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                 intermediate_size=16, vocab_size=16, tie_word_embeddings=False)
-SHAPE = ProfileShape(hidden_size=16, head_dim=4, heads_per_group=2, micro_batch=2, seq_len=8,
-                     mlp_block=1, vocab_block=1, threads=1)
+DIMS = ModelDims(
+    hidden_size=16,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    intermediate_size=16,
+    vocab_size=16,
+    tie_word_embeddings=False,
+)
+SHAPE = ProfileShape(
+    hidden_size=16, head_dim=4, heads_per_group=2, micro_batch=2, seq_len=8, mlp_block=1, vocab_block=1, threads=1
+)
 
 
 def profile(i, rng, slow=1.0, memory=1 << 40):
     return DeviceProfile(
-        device=f"d{i}", shape=SHAPE,
-        kv_group_seconds=rng.uniform(0.5, 2) * slow, mlp_block_seconds=rng.uniform(0.05, 0.2) * slow,
-        vocab_block_seconds=rng.uniform(0.05, 0.2) * slow, layer_fixed_seconds=rng.uniform(0, 0.2) * slow,
-        step_fixed_seconds=rng.uniform(0, 0.2) * slow, allreduce_latency_seconds=rng.uniform(0, 0.02) * slow,
-        allreduce_seconds_per_mib=rng.uniform(0, 5) * slow, memory_bytes=memory,
-        kv_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow, mlp_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow,
+        device=f"d{i}",
+        shape=SHAPE,
+        kv_group_seconds=rng.uniform(0.5, 2) * slow,
+        mlp_block_seconds=rng.uniform(0.05, 0.2) * slow,
+        vocab_block_seconds=rng.uniform(0.05, 0.2) * slow,
+        layer_fixed_seconds=rng.uniform(0, 0.2) * slow,
+        step_fixed_seconds=rng.uniform(0, 0.2) * slow,
+        allreduce_latency_seconds=rng.uniform(0, 0.02) * slow,
+        allreduce_seconds_per_mib=rng.uniform(0, 5) * slow,
+        memory_bytes=memory,
+        kv_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow,
+        mlp_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow,
         vocab_fixed_seconds=rng.choice([0, rng.uniform(0, 1)]) * slow,
     )
 
@@ -52,8 +81,10 @@ def brute_force(profiles):
             for g in compositions(2, size):
                 for m in compositions(16, size):
                     for v in compositions(16, size):
-                        if any(mem[0] + g[i] * mem[1] + m[i] * mem[2] + v[i] * mem[3] > p.memory_bytes
-                               for i, p in enumerate(members)):
+                        if any(
+                            mem[0] + g[i] * mem[1] + m[i] * mem[2] + v[i] * mem[3] > p.memory_bytes
+                            for i, p in enumerate(members)
+                        ):
                             continue
                         best = min(best, step_seconds(list(members), DIMS, list(zip(g, m, v))))
     return best
@@ -93,8 +124,12 @@ def brute_force_rows(profiles, rows):
             attention = {False: float("inf"), True: float("inf")}  # by: uses row shares
             for layout in itertools.product(attention_options(3, rows), repeat=size):
                 try:
-                    split = ShardSplit(kv_groups=[k for k, _ in layout], kv_rows=[r for _, r in layout],
-                                       mlp_columns=[16] + [0] * (size - 1), vocab_rows=[16] + [0] * (size - 1)).check(DIMS3)
+                    split = ShardSplit(
+                        kv_groups=[k for k, _ in layout],
+                        kv_rows=[r for _, r in layout],
+                        mlp_columns=[16] + [0] * (size - 1),
+                        vocab_rows=[16] + [0] * (size - 1),
+                    ).check(DIMS3)
                 except (XronosError, ValueError):
                     continue
                 shared = len(split.shared_kv_groups)
@@ -130,14 +165,17 @@ def test_row_shared_attention_against_brute_force():
     # plans, and the plan prices its rows, deferrals and moves as split_step_seconds does
     for seed in range(8):
         rng = random.Random(200 + seed)
-        profiles = [later_profile(recalibrate(profile(0, rng), f).model_copy(update={"device": f"d{i}"}), rng)
-                    for i, f in enumerate((1, rng.uniform(1.5, 2.5), rng.uniform(3, 5)))]
+        profiles = [
+            later_profile(recalibrate(profile(0, rng), f).model_copy(update={"device": f"d{i}"}), rng)
+            for i, f in enumerate((1, rng.uniform(1.5, 2.5), rng.uniform(3, 5)))
+        ]
         plan = plan_partition(profiles, DIMS3, 3, 8)
         members = [i for i, d in enumerate(plan.devices) if d.rank is not None]
         bound = solve_members(profiles, DIMS3, members, 3, whole_groups=True)[0]
         assert bound <= plan.predicted_step_seconds * (1 + 1e-12)
         assert plan.predicted_step_seconds == pytest.approx(
-            split_step_seconds([profiles[i] for i in members], DIMS3, plan.split), rel=1e-9)
+            split_step_seconds([profiles[i] for i in members], DIMS3, plan.split), rel=1e-9
+        )
 
 
 def test_row_shares_are_used_when_they_pay():
@@ -147,11 +185,21 @@ def test_row_shares_are_used_when_they_pay():
     dims = DIMS.model_copy(update={"num_heads": 6, "num_kv_heads": 3})
 
     def devices(slows):
-        return [DeviceProfile(device=f"d{i}", shape=SHAPE, kv_group_seconds=0.02 * slow, mlp_block_seconds=0.005 * slow,
-                              vocab_block_seconds=0.008 * slow, layer_fixed_seconds=0.01 * slow,
-                              step_fixed_seconds=0.005 * slow, allreduce_latency_seconds=1e-4 * slow,
-                              allreduce_seconds_per_mib=1e-3 * slow, memory_bytes=1 << 40)
-                for i, slow in enumerate(slows)]
+        return [
+            DeviceProfile(
+                device=f"d{i}",
+                shape=SHAPE,
+                kv_group_seconds=0.02 * slow,
+                mlp_block_seconds=0.005 * slow,
+                vocab_block_seconds=0.008 * slow,
+                layer_fixed_seconds=0.01 * slow,
+                step_fixed_seconds=0.005 * slow,
+                allreduce_latency_seconds=1e-4 * slow,
+                allreduce_seconds_per_mib=1e-3 * slow,
+                memory_bytes=1 << 40,
+            )
+            for i, slow in enumerate(slows)
+        ]
 
     assert plan_partition(devices([1, 2, 4]), dims, 4, 8).split.kv_rows is None
     profiles = devices([1, 2.3, 4])
@@ -169,8 +217,10 @@ def test_the_plan_predicts_idle_as_the_report_measures_it():
     dims = DIMS.model_copy(update={"num_heads": 6, "num_kv_heads": 3})
     rng = random.Random(3)
     base = profile(0, rng).model_copy(update={"kv_fixed_seconds": 0.0})
-    profiles = [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) * slow for k in COMPUTE_FIELDS}})
-        for i, slow in enumerate([1, 2, 4])]
+    profiles = [
+        base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) * slow for k in COMPUTE_FIELDS}})
+        for i, slow in enumerate([1, 2, 4])
+    ]
     plan = plan_partition(profiles, dims, 1, 8)
     assert plan.split.kv_groups == [2, 1, 0]
     slowest = max(d.compute_seconds for d in plan.devices)
@@ -198,8 +248,13 @@ def test_a_small_share_pays_its_fixed_cost():
     device holding any of it: linear costs give the slow device a few MLP blocks; with a fixed
     cost as long as the fast device's whole MLP, any share would make it the slowest: it gets none."""
     rng = random.Random(5)
-    zero = {"kv_fixed_seconds": 0.0, "mlp_fixed_seconds": 0.0, "vocab_fixed_seconds": 0.0,
-            "allreduce_latency_seconds": 0.0, "allreduce_seconds_per_mib": 0.0}
+    zero = {
+        "kv_fixed_seconds": 0.0,
+        "mlp_fixed_seconds": 0.0,
+        "vocab_fixed_seconds": 0.0,
+        "allreduce_latency_seconds": 0.0,
+        "allreduce_seconds_per_mib": 0.0,
+    }
     fast = profile(0, rng).model_copy(update=zero)
     slow = fast.model_copy(update={"device": "d1", **{k: getattr(fast, k) * 3 for k in COMPUTE_FIELDS}})
     linear = plan_partition([fast, slow], DIMS, 2, 8)
@@ -209,18 +264,32 @@ def test_a_small_share_pays_its_fixed_cost():
     plan = plan_partition([fast, fixed], DIMS, 2, 8, tolerance=0)
     assert plan.split.mlp_columns == [16, 0]
     assert plan.predicted_step_seconds == pytest.approx(brute_force([fast, fixed]), rel=1e-9)
-    assert plan.devices[1].compute_seconds == pytest.approx(  # its own segments, no MLP fixed cost
-        DIMS.num_layers * sum(segments(fixed, DIMS, plan.split.kv_groups[1], 0, 0)[:2])
-        + segments(fixed, DIMS, 0, 0, plan.split.vocab_rows[1])[2])
+    assert (
+        plan.devices[1].compute_seconds
+        == pytest.approx(  # its own segments, no MLP fixed cost
+            DIMS.num_layers * sum(segments(fixed, DIMS, plan.split.kv_groups[1], 0, 0)[:2])
+            + segments(fixed, DIMS, 0, 0, plan.split.vocab_rows[1])[2]
+        )
+    )
 
 
 def test_tens_of_devices_plan_quickly():
     import time
 
     rng = random.Random(1)
-    big = ModelDims(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)
-    shape = SHAPE.model_copy(update={"hidden_size": 576, "head_dim": 64, "heads_per_group": 3, "mlp_block": 64, "vocab_block": 256})
+    big = ModelDims(
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    )
+    shape = SHAPE.model_copy(
+        update={"hidden_size": 576, "head_dim": 64, "heads_per_group": 3, "mlp_block": 64, "vocab_block": 256}
+    )
     profiles = [profile(i, rng, slow=rng.uniform(1, 4)).model_copy(update={"shape": shape}) for i in range(24)]
     start = time.perf_counter()
     plan = plan_partition(profiles, big, 2, 8)
@@ -237,9 +306,15 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
     from edge_node.model_io import load_config
 
     dims = ModelDims.from_config(load_config(model_dir("mha_untied")))
-    shape = SHAPE.model_copy(update={"hidden_size": dims.hidden_size, "head_dim": dims.head_dim,
-                                     "heads_per_group": dims.heads_per_group, "mlp_block": dims.mlp_block,
-                                     "vocab_block": dims.vocab_block})
+    shape = SHAPE.model_copy(
+        update={
+            "hidden_size": dims.hidden_size,
+            "head_dim": dims.head_dim,
+            "heads_per_group": dims.heads_per_group,
+            "mlp_block": dims.mlp_block,
+            "vocab_block": dims.vocab_block,
+        }
+    )
     profiles = [profile(i, rng, slow=s).model_copy(update={"shape": shape}) for i, s in enumerate([1, 2, 4])]
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps([p.model_dump() for p in profiles]))
@@ -250,8 +325,21 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 0
     listed = capsys.readouterr().out
     assert "predicted step" in listed and "predicted idle" in listed
-    assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied")), "--json",
-                 "--idle-tolerance", "0"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--profiles",
+                str(path),
+                "--model",
+                str(model_dir("mha_untied")),
+                "--json",
+                "--idle-tolerance",
+                "0",
+            ]
+        )
+        == 0
+    )
     exact = plan_partition(profiles, dims, SHAPE.micro_batch, SHAPE.seq_len, tolerance=0)
     assert json.loads(capsys.readouterr().out)["predicted_step_seconds"] == pytest.approx(exact.predicted_step_seconds)
     with pytest.raises(SystemExit) as exit_info:
@@ -264,8 +352,13 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
     assert capsys.readouterr().out == listed
     # the profiles a xronos run planned with, from its report or from a bench's JSON
     dumped = [p.model_dump() for p in profiles]
-    documents = {"report.json": {"mode": "xronos", "profiles": dumped},
-                 "bench.json": {"speeds": [1, 0.5, 0.25], "reports": {"tp": {"mode": "tp"}, "xronos": {"mode": "xronos", "profiles": dumped}}}}
+    documents = {
+        "report.json": {"mode": "xronos", "profiles": dumped},
+        "bench.json": {
+            "speeds": [1, 0.5, 0.25],
+            "reports": {"tp": {"mode": "tp"}, "xronos": {"mode": "xronos", "profiles": dumped}},
+        },
+    }
     for name, document in documents.items():
         (tmp_path / name).write_text(json.dumps(document))
         assert main(["plan", "--profiles", str(tmp_path / name), "--model", str(model_dir("mha_untied"))]) == 0
@@ -276,7 +369,7 @@ def test_plan_command_prints_a_plan(tmp_path, model_dir, capsys):
     (tmp_path / "tp-bench.json").write_text(json.dumps({"reports": {"tp": {"mode": "tp"}}}))
     assert main(["plan", "--profiles", str(tmp_path / "tp-bench.json"), "--model", str(model_dir("mha_untied"))]) == 2
     assert "holds no profiles" in capsys.readouterr().err
-    path.write_text("[{\"device\": 1}]")
+    path.write_text('[{"device": 1}]')
     assert main(["plan", "--profiles", str(path), "--model", str(model_dir("mha_untied"))]) == 2
 
 
@@ -311,8 +404,9 @@ def test_repeated_replans_converge_on_the_measured_pace():
     current = profiles
     for _ in range(8):
         want = [device_compute(p, DIMS, *share) for p, share in zip(current, split.shares())]
-        split, current, predicted, _ = replan(current, DIMS, split, measured_on(truth, split, apart=False),
-                                              SHAPE.micro_batch, SHAPE.seq_len)
+        split, current, predicted, _ = replan(
+            current, DIMS, split, measured_on(truth, split, apart=False), SHAPE.micro_batch, SHAPE.seq_len
+        )
         assert predicted == want  # what the profiles it started from said (the report's trace)
     final = split_step_seconds(truth, DIMS, split)
     start = split_step_seconds(truth, DIMS, plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split)
@@ -328,16 +422,38 @@ def test_replans_calibrate_attention_and_mlp_apart():
     totals alone, they scale each device as a whole and stop further off."""
     from xronos.planner.replan import MIN_REPLAN_GAIN, calibration_factors, recalibrate, replan
 
-    dims = ModelDims(hidden_size=24, num_layers=4, num_heads=6, num_kv_heads=3, head_dim=4,
-                     intermediate_size=24, vocab_size=16, tie_word_embeddings=False)
+    dims = ModelDims(
+        hidden_size=24,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=3,
+        head_dim=4,
+        intermediate_size=24,
+        vocab_size=16,
+        tie_word_embeddings=False,
+    )
     shape = SHAPE.model_copy(update={"hidden_size": 24})
-    truth = [DeviceProfile(device=f"d{i}", shape=shape, kv_group_seconds=1 / v, kv_fixed_seconds=0.1 / v,
-                           mlp_block_seconds=0.1 / v, mlp_fixed_seconds=0.1 / v, vocab_block_seconds=0.1 / v,
-                           layer_fixed_seconds=0.05 / v, step_fixed_seconds=0.05 / v, allreduce_latency_seconds=1e-3,
-                           allreduce_seconds_per_mib=0.5, memory_bytes=1 << 40)
-             for i, v in enumerate((0.65, 0.52, 0.43))]
-    profiles = [recalibrate(t, 1.0, {"kv_groups": a, "mlp_columns": m})
-                for t, (a, m) in zip(truth, ((0.75, 1.1), (1.3, 0.9), (1, 1)))]
+    truth = [
+        DeviceProfile(
+            device=f"d{i}",
+            shape=shape,
+            kv_group_seconds=1 / v,
+            kv_fixed_seconds=0.1 / v,
+            mlp_block_seconds=0.1 / v,
+            mlp_fixed_seconds=0.1 / v,
+            vocab_block_seconds=0.1 / v,
+            layer_fixed_seconds=0.05 / v,
+            step_fixed_seconds=0.05 / v,
+            allreduce_latency_seconds=1e-3,
+            allreduce_seconds_per_mib=0.5,
+            memory_bytes=1 << 40,
+        )
+        for i, v in enumerate((0.65, 0.52, 0.43))
+    ]
+    profiles = [
+        recalibrate(t, 1.0, {"kv_groups": a, "mlp_columns": m})
+        for t, (a, m) in zip(truth, ((0.75, 1.1), (1.3, 0.9), (1, 1)))
+    ]
     best = solve_members(truth, dims, [0, 1, 2])[0]
     first = plan_partition(profiles, dims, 2, 8).split
     # one check's factors: the component the profile made too fast is measured slower, relative to the other
@@ -351,8 +467,10 @@ def test_replans_calibrate_attention_and_mlp_apart():
         for _ in range(6):
             split, current, _, _ = replan(current, dims, split, measured_on(truth, split, dims, apart), 2, 8)
         final[apart] = split_step_seconds(truth, dims, split)
-    print(f"true optimum {best:.3f}, first plan {split_step_seconds(truth, dims, first):.3f}, "
-          f"after re-plans {final[True]:.3f} (segments) {final[False]:.3f} (totals only)")
+    print(
+        f"true optimum {best:.3f}, first plan {split_step_seconds(truth, dims, first):.3f}, "
+        f"after re-plans {final[True]:.3f} (segments) {final[False]:.3f} (totals only)"
+    )
     assert final[True] <= best / (1 - MIN_REPLAN_GAIN) and final[False] > best / (1 - MIN_REPLAN_GAIN)
 
 
@@ -392,7 +510,8 @@ def test_the_plan_takes_the_best_whole_group_layout_and_the_least_idle_near_it()
         members = [p for p, d in zip(profiles, exact.devices) if d.rank is not None]
         assert exact.predicted_step_seconds <= min(
             split_step_seconds(members, DIMS3, best_split_with_attention(members, DIMS3, layout))
-            for layout in compositions(DIMS3.num_kv_heads, len(members))) * (1 + 1e-12), seed
+            for layout in compositions(DIMS3.num_kv_heads, len(members))
+        ) * (1 + 1e-12), seed
         near = plan_partition(profiles, DIMS3, 1, 8)
         assert near.predicted_step_seconds <= exact.predicted_step_seconds * (1 + IDLE_TOLERANCE) + 1e-12
         if near.split != exact.split:
@@ -401,8 +520,13 @@ def test_the_plan_takes_the_best_whole_group_layout_and_the_least_idle_near_it()
     assert changed >= 4  # the tie-break is exercised, not skipped
     # the mild bench's speeds, every product movable: the shortest layout gives the 0.43 device no
     # attention and leaves it idle through every attention segment; one group each is 0.3% longer
-    profiles = speed_profiles((0.65, 0.52, 0.43), attention_backward_fraction=0.65, mlp_weight_grad_fraction=0.3,
-                              attention_weight_grad_fraction=0.25, vocab_weight_grad_fraction=0.3)
+    profiles = speed_profiles(
+        (0.65, 0.52, 0.43),
+        attention_backward_fraction=0.65,
+        mlp_weight_grad_fraction=0.3,
+        attention_weight_grad_fraction=0.25,
+        vocab_weight_grad_fraction=0.3,
+    )
     exact, near = plan_partition(profiles, DIMS3, 1, 8, tolerance=0), plan_partition(profiles, DIMS3, 1, 8)
     assert exact.split.kv_groups == [2, 1, 0] and near.split.kv_groups == [1, 1, 1]
     assert exact.predicted_step_seconds < near.predicted_step_seconds < exact.predicted_step_seconds * 1.01
@@ -411,9 +535,13 @@ def test_the_plan_takes_the_best_whole_group_layout_and_the_least_idle_near_it()
 
 def later_profile(p, rng):
     """`p` with measured weight-gradient and attention-backward parts (as the profiler gives them)."""
-    return p.model_copy(update={"mlp_weight_grad_fraction": rng.uniform(0.2, 0.45),
-                                "attention_backward_fraction": rng.uniform(0.5, 0.75),
-                                "attention_weight_grad_fraction": rng.uniform(0.1, 0.35)})
+    return p.model_copy(
+        update={
+            "mlp_weight_grad_fraction": rng.uniform(0.2, 0.45),
+            "attention_backward_fraction": rng.uniform(0.5, 0.75),
+            "attention_weight_grad_fraction": rng.uniform(0.1, 0.35),
+        }
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -427,32 +555,62 @@ def test_weight_grads_later_fill_the_room_the_attention_leaves(seed):
     plan = plan_partition(profiles, DIMS3, 1, 8, tolerance=0)
     split = plan.split
     members = [p for p, d in zip(profiles, plan.devices) if d.rank is not None]
-    without = brute_force_rows([p.model_copy(update={"mlp_weight_grad_fraction": 0.0,
-                                                     "attention_weight_grad_fraction": 0.0}) for p in profiles], 1)
+    without = brute_force_rows(
+        [
+            p.model_copy(update={"mlp_weight_grad_fraction": 0.0, "attention_weight_grad_fraction": 0.0})
+            for p in profiles
+        ],
+        1,
+    )
     assert plan.predicted_step_seconds <= without * (1 + 1e-9)
     assert plan.predicted_step_seconds == pytest.approx(split_step_seconds(members, DIMS3, split), rel=1e-12)
     best = step_seconds(members, DIMS3, split.shares())
     for m in compositions(16, len(members)):
         shares = [(kv, c, v) for (kv, _, v), c in zip(split.shares(), m)]
         for choice in itertools.product(("none", "mlp", "attention"), repeat=len(members)):
-            deferred = [attention_weight_grad_seconds(p, kv) if c == "attention" else 0.0
-                        for p, (kv, _, _), c in zip(members, shares, choice)]
+            deferred = [
+                attention_weight_grad_seconds(p, kv) if c == "attention" else 0.0
+                for p, (kv, _, _), c in zip(members, shares, choice)
+            ]
             backs = [attention_backward_seconds(p, kv) - d for p, (kv, _, _), d in zip(members, shares, deferred)]
-            if all(b + weight_grad_seconds(p, blocks) <= max(backs)  # every MLP move fits its room
-                   for p, b, blocks, c in zip(members, backs, m, choice) if c == "mlp"):
-                best = min(best, step_seconds(members, DIMS3, shares, later=[c == "mlp" for c in choice],
-                                              attention_later=[c == "attention" for c in choice]))
+            if all(
+                b + weight_grad_seconds(p, blocks) <= max(backs)  # every MLP move fits its room
+                for p, b, blocks, c in zip(members, backs, m, choice)
+                if c == "mlp"
+            ):
+                best = min(
+                    best,
+                    step_seconds(
+                        members,
+                        DIMS3,
+                        shares,
+                        later=[c == "mlp" for c in choice],
+                        attention_later=[c == "attention" for c in choice],
+                    ),
+                )
     assert plan.predicted_step_seconds == pytest.approx(best, rel=1e-9)
 
 
 def speed_profiles(speeds, **fields):
     """One made-up device profile (`fields` override its seconds and fractions) at each relative speed."""
-    base = DeviceProfile(device="d", shape=SHAPE, kv_group_seconds=0.4, kv_fixed_seconds=0.1, mlp_block_seconds=0.1,
-                         mlp_fixed_seconds=0.1, vocab_block_seconds=0.05, layer_fixed_seconds=0.05,
-                         step_fixed_seconds=0.05, allreduce_latency_seconds=0.0, allreduce_seconds_per_mib=0.0,
-                         memory_bytes=1 << 40).model_copy(update=fields)
-    return [base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) / s for k in COMPUTE_FIELDS}})
-            for i, s in enumerate(speeds)]
+    base = DeviceProfile(
+        device="d",
+        shape=SHAPE,
+        kv_group_seconds=0.4,
+        kv_fixed_seconds=0.1,
+        mlp_block_seconds=0.1,
+        mlp_fixed_seconds=0.1,
+        vocab_block_seconds=0.05,
+        layer_fixed_seconds=0.05,
+        step_fixed_seconds=0.05,
+        allreduce_latency_seconds=0.0,
+        allreduce_seconds_per_mib=0.0,
+        memory_bytes=1 << 40,
+    ).model_copy(update=fields)
+    return [
+        base.model_copy(update={"device": f"d{i}", **{k: getattr(base, k) / s for k in COMPUTE_FIELDS}})
+        for i, s in enumerate(speeds)
+    ]
 
 
 def test_a_device_without_attention_takes_more_mlp_when_its_weight_grads_come_later():
@@ -461,8 +619,9 @@ def test_a_device_without_attention_takes_more_mlp_when_its_weight_grads_come_la
     columns, the predicted step is shorter and the predicted idle lower."""
     profiles = speed_profiles((1, 0.5, 0.25))
     before = plan_partition(profiles, DIMS3, 1, 8)
-    later = [p.model_copy(update={"mlp_weight_grad_fraction": 0.3, "attention_backward_fraction": 0.65})
-             for p in profiles]
+    later = [
+        p.model_copy(update={"mlp_weight_grad_fraction": 0.3, "attention_backward_fraction": 0.65}) for p in profiles
+    ]
     after = plan_partition(later, DIMS3, 1, 8)
     assert before.split.kv_groups == after.split.kv_groups and after.split.kv_groups[2] == 0
     assert before.split.weight_grads_later is None and after.split.weight_grads_later[2]
@@ -478,8 +637,9 @@ def test_the_slowest_device_defers_its_attention_products_when_groups_cannot_bal
     step is shorter."""
     profiles = speed_profiles((0.65, 0.52, 0.43), attention_backward_fraction=0.65, mlp_weight_grad_fraction=0.3)
     before = plan_partition(profiles, DIMS3, 1, 8)
-    after = plan_partition([p.model_copy(update={"attention_weight_grad_fraction": 0.25}) for p in profiles],
-                           DIMS3, 1, 8)
+    after = plan_partition(
+        [p.model_copy(update={"attention_weight_grad_fraction": 0.25}) for p in profiles], DIMS3, 1, 8
+    )
     assert before.split.kv_groups == after.split.kv_groups == [1, 1, 1]
     assert before.split.attention_weight_grads_later is None
     assert after.split.attention_weight_grads_later[2] and not after.split.attention_weight_grads_later[0]
@@ -495,8 +655,14 @@ def test_lm_head_products_fill_the_room_the_mlp_moves_leave():
     vocabulary rows, the step is shorter and the idle lower; no wait grows (every move fits its
     room), and given the plan's attention and MLP, its vocabulary split and moves are the best of
     every integer split and every number of rows moved that fits."""
-    profiles = speed_profiles((1, 0.5, 0.25), mlp_block_seconds=0.02, mlp_fixed_seconds=0.02, vocab_block_seconds=0.1,
-                              mlp_weight_grad_fraction=0.3, attention_backward_fraction=0.65)
+    profiles = speed_profiles(
+        (1, 0.5, 0.25),
+        mlp_block_seconds=0.02,
+        mlp_fixed_seconds=0.02,
+        vocab_block_seconds=0.1,
+        mlp_weight_grad_fraction=0.3,
+        attention_backward_fraction=0.65,
+    )
     before = plan_partition(profiles, DIMS3, 1, 8)
     profiles = [p.model_copy(update={"vocab_weight_grad_fraction": 0.3}) for p in profiles]
     after = plan_partition(profiles, DIMS3, 1, 8)
@@ -508,19 +674,34 @@ def test_lm_head_products_fill_the_room_the_mlp_moves_leave():
     assert after.predicted_idle_ratio < before.predicted_idle_ratio
     shares = split.shares()
     backs = [attention_backward_seconds(p, kv) for p, (kv, _, _) in zip(profiles, shares)]
-    moved = [weight_grad_seconds(p, c) if split.rank_computes_weight_grads_later("mlp_columns", r) else 0.0
-             for r, (p, (_, c, _)) in enumerate(zip(profiles, shares))]
+    moved = [
+        weight_grad_seconds(p, c) if split.rank_computes_weight_grads_later("mlp_columns", r) else 0.0
+        for r, (p, (_, c, _)) in enumerate(zip(profiles, shares))
+    ]
     spread = [vocab_later_seconds(p, DIMS3, split.vocab_later(r)) for r, p in enumerate(profiles)]
     assert all(b + w + x / DIMS3.num_layers <= max(backs) * (1 + 1e-9) for b, w, x in zip(backs, moved, spread))
     best = float("inf")
     for v in compositions(16, 3):
-        fits = [[k for k in range(rows + 1)
-                 if b + w + vocab_later_seconds(p, DIMS3, k) / DIMS3.num_layers <= max(backs) * (1 + 1e-9)]
-                for p, b, w, rows in zip(profiles, backs, moved, v)]
+        fits = [
+            [
+                k
+                for k in range(rows + 1)
+                if b + w + vocab_later_seconds(p, DIMS3, k) / DIMS3.num_layers <= max(backs) * (1 + 1e-9)
+            ]
+            for p, b, w, rows in zip(profiles, backs, moved, v)
+        ]
         for later in itertools.product(*fits):
-            best = min(best, step_seconds(profiles, DIMS3, [(kv, c, rows) for (kv, c, _), rows in zip(shares, v)],
-                                          later=split.weight_grads_later,
-                                          attention_later=split.attention_weight_grads_later, vocab_later=list(later)))
+            best = min(
+                best,
+                step_seconds(
+                    profiles,
+                    DIMS3,
+                    [(kv, c, rows) for (kv, c, _), rows in zip(shares, v)],
+                    later=split.weight_grads_later,
+                    attention_later=split.attention_weight_grads_later,
+                    vocab_later=list(later),
+                ),
+            )
     assert after.predicted_step_seconds == pytest.approx(best, rel=1e-9)
     assert after.predicted_step_seconds == pytest.approx(split_step_seconds(profiles, DIMS3, split), rel=1e-12)
     # micro-batches of 3 rows may share KV groups by rows (their bound moves every block): never slower

@@ -6,14 +6,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from xronos.planner.planning import even_split, split_for_mode, split_units, weighted_split
 from edge_node.tp.plan import Slice, param_slice
 from xronos.contract.errors import XronosError
 from xronos.contract.splits import ModelDims, ShardSplit
+from xronos.planner.planning import even_split, split_for_mode, split_units, weighted_split
 
 DIMS = ModelDims(
-    hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
 )
 
 
@@ -63,7 +69,15 @@ def test_param_slices_follow_groups_and_units():
 
 def test_holders_are_the_ranks_with_some_of_a_dimension():
     split = ShardSplit(kv_groups=[2, 0, 1], mlp_columns=[1000, 536, 0], vocab_rows=[0, 100, 49052])
-    assert (split.holders("kv_groups"), split.holders("mlp_columns"), split.holders("vocab_rows")) == ((0, 2), (0, 1), (1, 2))
-    shared = ShardSplit(kv_groups=[2, 1, 1, 0], kv_rows=[None, (0, 3), (3, 4), None], mlp_columns=[1536, 0, 0, 0],
-                        vocab_rows=[49152, 0, 0, 0])
+    assert (split.holders("kv_groups"), split.holders("mlp_columns"), split.holders("vocab_rows")) == (
+        (0, 2),
+        (0, 1),
+        (1, 2),
+    )
+    shared = ShardSplit(
+        kv_groups=[2, 1, 1, 0],
+        kv_rows=[None, (0, 3), (3, 4), None],
+        mlp_columns=[1536, 0, 0, 0],
+        vocab_rows=[49152, 0, 0, 0],
+    )
     assert shared.holders("kv_groups") == (0, 1, 2)  # rows of a shared group are a share

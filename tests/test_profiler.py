@@ -46,8 +46,16 @@ def test_predicted_device_step_within_20_percent_under_its_quota(mid_model, tmp_
     for speed in (0.6, 0.3):
         for attempt in range(3):
             monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / f"cache-{speed}-{attempt}"))
-            job = JobOptions(model=str(model), data=str(data), output=str(tmp_path / f"out-{speed}-{attempt}"),
-                             mode="xronos", steps=8, batch_size=4, seq_len=64, lr=1e-4)
+            job = JobOptions(
+                model=str(model),
+                data=str(data),
+                output=str(tmp_path / f"out-{speed}-{attempt}"),
+                mode="xronos",
+                steps=8,
+                batch_size=4,
+                seq_len=64,
+                lr=1e-4,
+            )
             report = run_local(job, 1, speeds=[speed], show_progress=False)
             assert report.predicted_step_seconds is not None
             measured[speed] = statistics.median(report.step_seconds[WARMUP_STEPS:])
@@ -64,7 +72,9 @@ def test_fixed_and_per_unit_costs_from_two_sizes():
     assert fit_fixed_and_per_unit(3.0, 9.0, 4) == pytest.approx((1.0, 2.0))  # 1 s + 2 s per unit
     # the share no slower than one unit (noise): the flattest line allowed, half the share fixed
     assert fit_fixed_and_per_unit(3.0, 2.5, 4) == pytest.approx((1.25, 2.5 / 8))
-    assert fit_fixed_and_per_unit(3.0, 2.49, 4) == pytest.approx(fit_fixed_and_per_unit(3.0, 2.51, 4), rel=0.01)  # no jump
+    assert fit_fixed_and_per_unit(3.0, 2.49, 4) == pytest.approx(
+        fit_fixed_and_per_unit(3.0, 2.51, 4), rel=0.01
+    )  # no jump
     assert fit_fixed_and_per_unit(1.0, 9.0, 4) == (0.0, 9.0 / 4)  # superlinear: the line would need negative fixed
     assert fit_fixed_and_per_unit(0.04, 0.48644176886624985, 6)[0] == 0.0  # not -5.6e-17, which fails validation
     assert fit_fixed_and_per_unit(2.0, 2.0, 1) == (0.0, 2.0)  # one unit is all there is (a single KV group)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from edge_node.model_io import full_param_shapes, load_config, load_shard, SafetensorsReader
+from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_shard
 from edge_node.reshard import moves, reshard_tensors
 from edge_node.tp.plan import Slice, param_slice
 from edge_node.worker_process import free_port
@@ -49,15 +49,26 @@ def test_moves_deliver_every_new_element_once_from_a_rank_that_held_it():
 SPLITS = {
     "mha_untied": [
         dict(kv_groups=[3, 3, 2], mlp_columns=[64, 64, 64], vocab_rows=[100, 100, 120]),
-        dict(kv_groups=[7, 1, 1], kv_rows=[None, (0, 3), (3, 4)], mlp_columns=[192, 0, 0], vocab_rows=[0, 300, 20],
-             weight_grads_later=[False, True, False], vocab_rows_later=[0, 50, 0]),
+        dict(
+            kv_groups=[7, 1, 1],
+            kv_rows=[None, (0, 3), (3, 4)],
+            mlp_columns=[192, 0, 0],
+            vocab_rows=[0, 300, 20],
+            weight_grads_later=[False, True, False],
+            vocab_rows_later=[0, 50, 0],
+        ),
         dict(kv_groups=[0, 5, 3], mlp_columns=[12, 60, 120], vocab_rows=[320, 0, 0]),
         dict(kv_groups=[3, 3, 2], mlp_columns=[64, 64, 64], vocab_rows=[100, 100, 120]),
     ],
     "gqa_tied": [
         dict(kv_groups=[2, 1, 0], mlp_columns=[0, 64, 96], vocab_rows=[200, 90, 30]),
-        dict(kv_groups=[2, 1, 1], kv_rows=[None, (0, 3), (3, 4)], mlp_columns=[96, 32, 32], vocab_rows=[160, 100, 60],
-             attention_weight_grads_later=[True, False, True]),
+        dict(
+            kv_groups=[2, 1, 1],
+            kv_rows=[None, (0, 3), (3, 4)],
+            mlp_columns=[96, 32, 32],
+            vocab_rows=[160, 100, 60],
+            attention_weight_grads_later=[True, False, True],
+        ),
         dict(kv_groups=[1, 1, 1], mlp_columns=[160, 0, 0], vocab_rows=[1, 300, 19]),
     ],
 }
@@ -82,18 +93,28 @@ def _ranks(rank: int, world: int, port: int, directory: str, splits: list[dict],
             return tensor if s is None else tensor.narrow(s.dim, s.start, s.size)
 
         split = ShardSplit(**splits[0])
-        held = {name: [p.detach(), *(part(_moment(full[name], k), name, split) for k in range(2))]
-                for name, p in load_shard(directory, split, rank).named_parameters()}
+        held = {
+            name: [p.detach(), *(part(_moment(full[name], k), name, split) for k in range(2))]
+            for name, p in load_shard(directory, split, rank).named_parameters()
+        }
         checks = []
         for nxt in splits[1:]:
             new = ShardSplit(**nxt)
-            held = reshard_tensors(held, shapes, lambda n, r, s=split: param_slice(n, s, r, dims),
-                                   lambda n, r, s=new: param_slice(n, s, r, dims), rank, world)
+            held = reshard_tensors(
+                held,
+                shapes,
+                lambda n, r, s=split: param_slice(n, s, r, dims),
+                lambda n, r, s=new: param_slice(n, s, r, dims),
+                rank,
+                world,
+            )
             loaded = dict(load_shard(directory, new, rank).named_parameters())
             for name, param in loaded.items():
                 value, *state = held[name]
-                checks.append(torch.equal(value, param.detach())
-                              and all(torch.equal(m, part(_moment(full[name], k), name, new)) for k, m in enumerate(state)))
+                checks.append(
+                    torch.equal(value, param.detach())
+                    and all(torch.equal(m, part(_moment(full[name], k), name, new)) for k, m in enumerate(state))
+                )
             # what the new model has no parameter for (a rank without a KV group has no q, k or v) is empty
             checks += [all(t.numel() == 0 for t in held[name]) for name in held.keys() - loaded.keys()]
             split = new

@@ -72,7 +72,9 @@ def test_lm_head_rows_later_give_autograd_gradients():
         later.load_state_dict(plain.state_dict())
         ids = torch.tensor([[0, 4, 2]])
         for head in (plain, later):
-            x = nn.functional.embedding(ids, head.weight) + torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(1))
+            x = nn.functional.embedding(ids, head.weight) + torch.randn(
+                1, 3, 4, generator=torch.Generator().manual_seed(1)
+            )
             head(x).softmax(-1)[..., 1].sum().backward()
         assert len(WEIGHT_GRADS.spread) == min(later_rows, pieces)
         assert not torch.allclose(later.weight.grad[:later_rows], plain.weight.grad[:later_rows])

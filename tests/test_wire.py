@@ -19,46 +19,122 @@ from xronos.contract.splits import ModelDims, ShardSplit
 ids = st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True)
 counts = st.lists(st.integers(0, 10_000), min_size=1, max_size=4)
 splits = st.integers(1, 4).flatmap(
-    lambda n: st.builds(ShardSplit, kv_groups=st.lists(st.integers(0, 9), min_size=n, max_size=n),
-                        mlp_columns=st.lists(st.integers(0, 9999), min_size=n, max_size=n),
-                        vocab_rows=st.lists(st.integers(0, 99999), min_size=n, max_size=n)))
-jobs = st.builds(JobOptions, model=st.text(min_size=1, max_size=20), data=st.text(min_size=1, max_size=20),
-                 output=st.text(min_size=1, max_size=20), steps=st.integers(1, 10**6), lr=st.floats(1e-7, 1.0))
+    lambda n: st.builds(
+        ShardSplit,
+        kv_groups=st.lists(st.integers(0, 9), min_size=n, max_size=n),
+        mlp_columns=st.lists(st.integers(0, 9999), min_size=n, max_size=n),
+        vocab_rows=st.lists(st.integers(0, 99999), min_size=n, max_size=n),
+    )
+)
+jobs = st.builds(
+    JobOptions,
+    model=st.text(min_size=1, max_size=20),
+    data=st.text(min_size=1, max_size=20),
+    output=st.text(min_size=1, max_size=20),
+    steps=st.integers(1, 10**6),
+    lr=st.floats(1e-7, 1.0),
+)
 secs = st.floats(0, 10, allow_nan=False)
-shapes = st.builds(ProfileShape, hidden_size=st.integers(1, 8192), head_dim=st.integers(1, 256),
-                   heads_per_group=st.integers(1, 16), micro_batch=st.integers(1, 64), seq_len=st.integers(1, 8192),
-                   mlp_block=st.integers(1, 256), vocab_block=st.integers(1, 1024), threads=st.integers(1, 64))
-profiles = st.builds(DeviceProfile, device=ids, shape=shapes, kv_group_seconds=secs, mlp_block_seconds=secs,
-                     vocab_block_seconds=secs, layer_fixed_seconds=secs, step_fixed_seconds=secs,
-                     kv_fixed_seconds=secs, mlp_fixed_seconds=secs, vocab_fixed_seconds=secs,
-                     allreduce_latency_seconds=secs, allreduce_seconds_per_mib=secs,
-                     memory_bytes=st.integers(1, 2**40))
+shapes = st.builds(
+    ProfileShape,
+    hidden_size=st.integers(1, 8192),
+    head_dim=st.integers(1, 256),
+    heads_per_group=st.integers(1, 16),
+    micro_batch=st.integers(1, 64),
+    seq_len=st.integers(1, 8192),
+    mlp_block=st.integers(1, 256),
+    vocab_block=st.integers(1, 1024),
+    threads=st.integers(1, 64),
+)
+profiles = st.builds(
+    DeviceProfile,
+    device=ids,
+    shape=shapes,
+    kv_group_seconds=secs,
+    mlp_block_seconds=secs,
+    vocab_block_seconds=secs,
+    layer_fixed_seconds=secs,
+    step_fixed_seconds=secs,
+    kv_fixed_seconds=secs,
+    mlp_fixed_seconds=secs,
+    vocab_fixed_seconds=secs,
+    allreduce_latency_seconds=secs,
+    allreduce_seconds_per_mib=secs,
+    memory_bytes=st.integers(1, 2**40),
+)
 
-dims = st.builds(ModelDims, hidden_size=st.integers(1, 8192), num_layers=st.integers(1, 100),
-                 num_heads=st.integers(1, 64), num_kv_heads=st.integers(1, 64), head_dim=st.integers(1, 256),
-                 intermediate_size=st.integers(1, 10**5), vocab_size=st.integers(1, 10**6), tie_word_embeddings=st.booleans())
+dims = st.builds(
+    ModelDims,
+    hidden_size=st.integers(1, 8192),
+    num_layers=st.integers(1, 100),
+    num_heads=st.integers(1, 64),
+    num_kv_heads=st.integers(1, 64),
+    head_dim=st.integers(1, 256),
+    intermediate_size=st.integers(1, 10**5),
+    vocab_size=st.integers(1, 10**6),
+    tie_word_embeddings=st.booleans(),
+)
 
 MESSAGES = {
     wire.NODE_STATUS: st.builds(wire.NodeStatus, node_id=ids, state=st.sampled_from(["online", "offline"])),
-    wire.HEARTBEAT: st.builds(wire.Heartbeat, node_id=ids, state=st.sampled_from(["idle", "profiling", "training"]),
-                              job_id=st.none() | ids, step=st.none() | st.integers(0, 10**6), loss=st.none() | secs),
-    wire.PROFILE: st.builds(wire.ProfileMessage, node_id=ids, profile=profiles, job_id=st.none() | ids,
-                            dims=st.none() | dims, rendezvous_port=st.none() | st.integers(1, 65535)),
+    wire.HEARTBEAT: st.builds(
+        wire.Heartbeat,
+        node_id=ids,
+        state=st.sampled_from(["idle", "profiling", "training"]),
+        job_id=st.none() | ids,
+        step=st.none() | st.integers(0, 10**6),
+        loss=st.none() | secs,
+    ),
+    wire.PROFILE: st.builds(
+        wire.ProfileMessage,
+        node_id=ids,
+        profile=profiles,
+        job_id=st.none() | ids,
+        dims=st.none() | dims,
+        rendezvous_port=st.none() | st.integers(1, 65535),
+    ),
     wire.ASSIGNMENT: st.builds(wire.Assignment, job_id=ids, node_id=ids, phase=st.just("profile"), job=jobs)
-    | splits.flatmap(lambda split: st.builds(
-        wire.Assignment, job_id=ids, node_id=ids, phase=st.just("train"), job=jobs,
-        rank=st.integers(0, split.world_size - 1), world_size=st.just(split.world_size),
-        master_addr=st.just("10.0.0.1"), master_port=st.integers(1, 65535), split=st.just(split),
-        profiles=st.none() | st.lists(profiles, min_size=split.world_size, max_size=split.world_size)))
+    | splits.flatmap(
+        lambda split: st.builds(
+            wire.Assignment,
+            job_id=ids,
+            node_id=ids,
+            phase=st.just("train"),
+            job=jobs,
+            rank=st.integers(0, split.world_size - 1),
+            world_size=st.just(split.world_size),
+            master_addr=st.just("10.0.0.1"),
+            master_port=st.integers(1, 65535),
+            split=st.just(split),
+            profiles=st.none() | st.lists(profiles, min_size=split.world_size, max_size=split.world_size),
+        )
+    )
     | st.builds(wire.Assignment, job_id=ids, node_id=ids, phase=st.just("train"), job=jobs, rank=st.none()),
     wire.RESULT: st.builds(wire.NodeResult, job_id=ids, node_id=ids, ok=st.just(False), error=st.text(max_size=50))
-    | st.builds(wire.NodeResult, job_id=ids, node_id=ids, ok=st.just(True), result=st.builds(
-        RankResult, rank=st.integers(0, 8), losses=st.lists(secs, max_size=5), step_seconds=st.lists(secs, max_size=5),
-        comm_seconds=st.lists(secs, max_size=5), param_bytes=st.integers(0, 2**40), peak_rss_bytes=st.integers(0, 2**40))),
-    wire.JOB_STATUS: st.builds(wire.JobStatus, job_id=ids,
-                               state=st.sampled_from(["planning", "running", "completed", "failed", "stopped"]),
-                               step=st.none() | st.integers(0, 10**6), loss=st.none() | secs,
-                               nodes=st.lists(ids, max_size=4), reason=st.none() | st.text(max_size=40)),
+    | st.builds(
+        wire.NodeResult,
+        job_id=ids,
+        node_id=ids,
+        ok=st.just(True),
+        result=st.builds(
+            RankResult,
+            rank=st.integers(0, 8),
+            losses=st.lists(secs, max_size=5),
+            step_seconds=st.lists(secs, max_size=5),
+            comm_seconds=st.lists(secs, max_size=5),
+            param_bytes=st.integers(0, 2**40),
+            peak_rss_bytes=st.integers(0, 2**40),
+        ),
+    ),
+    wire.JOB_STATUS: st.builds(
+        wire.JobStatus,
+        job_id=ids,
+        state=st.sampled_from(["planning", "running", "completed", "failed", "stopped"]),
+        step=st.none() | st.integers(0, 10**6),
+        loss=st.none() | secs,
+        nodes=st.lists(ids, max_size=4),
+        reason=st.none() | st.text(max_size=40),
+    ),
     wire.TRAIN: st.builds(wire.TrainCommand, job_id=ids, job=jobs, nodes=st.none() | st.lists(ids, max_size=5)),
     wire.STOP: st.builds(wire.StopCommand, job_id=ids),
 }
@@ -115,13 +191,23 @@ def test_topic_names_follow_the_contract():
 def test_a_training_assignment_must_be_complete_and_consistent():
     job = JobOptions(model="m", data="d", output="o")
     split = ShardSplit(kv_groups=[1, 1], mlp_columns=[64, 64], vocab_rows=[10, 10])
-    good = dict(job_id="j", node_id="n", phase="train", job=job, rank=1, world_size=2, master_addr="10.0.0.1",
-                master_port=29500, split=split)
+    good = dict(
+        job_id="j",
+        node_id="n",
+        phase="train",
+        job=job,
+        rank=1,
+        world_size=2,
+        master_addr="10.0.0.1",
+        master_port=29500,
+        split=split,
+    )
     wire.ASSIGNMENT.decode(wire.Assignment(**good).model_dump_json().encode())
     for broken in ({"rank": 2}, {"master_port": None}, {"split": None}, {"stages": [(0, 1), (1, 2)]}):
         with pytest.raises(wire.WireError):
-            wire.ASSIGNMENT.decode(json.dumps({**json.loads(wire.Assignment.model_construct(**good).model_dump_json()),
-                                               **broken}).encode())
+            wire.ASSIGNMENT.decode(
+                json.dumps({**json.loads(wire.Assignment.model_construct(**good).model_dump_json()), **broken}).encode()
+            )
 
 
 def test_ids_are_read_back_from_concrete_topics():

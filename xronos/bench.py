@@ -61,8 +61,10 @@ def idle_summary(xronos: float, tp: float, planned: float | None, round_idle: di
     xs, ts = round_idle.get("xronos", []), round_idle.get("tp", [])
     if len(xs) > 1:  # a bench runs every mode once per round
         mx, mt = statistics.fmean(xs), statistics.fmean(ts)
-        line += (f"; by round xronos {' '.join(f'{r:.1%}' for r in xs)}, tp {' '.join(f'{r:.1%}' for r in ts)};"
-                 f" mean over rounds xronos {mx:.1%}, tp {mt:.1%}" + (f" ({mt / mx:.1f}x less)" if mx > 0 else ""))
+        line += (
+            f"; by round xronos {' '.join(f'{r:.1%}' for r in xs)}, tp {' '.join(f'{r:.1%}' for r in ts)};"
+            f" mean over rounds xronos {mx:.1%}, tp {mt:.1%}" + (f" ({mt / mx:.1f}x less)" if mx > 0 else "")
+        )
     return line
 
 
@@ -93,8 +95,16 @@ def bench_runs(modes: list[str], pp_micro_batches: list[int] | None) -> list[tup
     return runs
 
 
-def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data: str | None, eval_rows: int,
-              show_progress: bool = True, pp_micro_batches: list[int] | None = None, rounds: int = 1) -> BenchResult:
+def run_bench(
+    base: JobOptions,
+    modes: list[str],
+    speeds: list[float],
+    eval_data: str | None,
+    eval_rows: int,
+    show_progress: bool = True,
+    pp_micro_batches: list[int] | None = None,
+    rounds: int = 1,
+) -> BenchResult:
     """Every mode once per round, the modes in turn within a round.
 
     A shared machine's pace drifts by tens of percent over minutes; rounds interleave the
@@ -111,11 +121,15 @@ def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data
     for round_ in range(rounds):
         for label, mode, micro_batches in bench_runs(modes, pp_micro_batches):
             out = Path(base.output) / label.replace(" ", "_").replace("=", "")
-            job = base.model_copy(update={"mode": mode, "output": str(out),
-                                          "micro_batches": micro_batches or base.micro_batches})
+            job = base.model_copy(
+                update={"mode": mode, "output": str(out), "micro_batches": micro_batches or base.micro_batches}
+            )
             nodes, node_speeds = (1, [1.0]) if mode == "single" else (len(speeds), speeds)
-            print(f"bench: {label} on {nodes} device(s) at speeds {node_speeds}"
-                  + (f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""), flush=True)
+            print(
+                f"bench: {label} on {nodes} device(s) at speeds {node_speeds}"
+                + (f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""),
+                flush=True,
+            )
             # The previous run's model (hundreds of MB) is still dirty in the page cache; written back
             # during this run, it would take CPU from this run's first steps. Every run starts clean.
             os.sync()
@@ -124,10 +138,16 @@ def run_bench(base: JobOptions, modes: list[str], speeds: list[float], eval_data
                 after[label] = perplexity(out, eval_set)
     seconds = {label: [r.mean_step_seconds for r in reports] for label, reports in runs.items()}
     reports = {label: runs[label][median_round(seconds[label])] for label in runs}
-    return BenchResult(speeds=speeds, perplexity_before=before, perplexity_after=after, reports=reports, rounds=seconds,
-                       round_idle={label: [r.idle_ratio for r in rs] for label, rs in runs.items()},
-                       round_layouts={label: [describe_layout(r.split, r.stages) for r in rs] for label, rs in runs.items()},
-                       round_reports=runs if rounds > 1 else {})
+    return BenchResult(
+        speeds=speeds,
+        perplexity_before=before,
+        perplexity_after=after,
+        reports=reports,
+        rounds=seconds,
+        round_idle={label: [r.idle_ratio for r in rs] for label, rs in runs.items()},
+        round_layouts={label: [describe_layout(r.split, r.stages) for r in rs] for label, rs in runs.items()},
+        round_reports=runs if rounds > 1 else {},
+    )
 
 
 def compute_stall(node, measured_steps: int) -> float:
@@ -147,27 +167,41 @@ def print_bench(result: BenchResult) -> None:
     n_rounds = len(next(iter(rounds.values())))
     single = reports.get("single")
     ideal = single.mean_step_seconds / sum(result.speeds) if single else None
-    print(f"\nspeeds {result.speeds} (sum {sum(result.speeds):g})"
-          + (f"; compute-only ideal {ideal:.3f} s/step (single-core step / sum of speeds)" if ideal else "")
-          + (f"; {n_rounds} rounds: each mode's median round, ratios round by round: median (range)" if n_rounds > 1 else ""))
+    print(
+        f"\nspeeds {result.speeds} (sum {sum(result.speeds):g})"
+        + (f"; compute-only ideal {ideal:.3f} s/step (single-core step / sum of speeds)" if ideal else "")
+        + (
+            f"; {n_rounds} rounds: each mode's median round, ratios round by round: median (range)"
+            if n_rounds > 1
+            else ""
+        )
+    )
     ppl0 = f"{result.perplexity_before:.3f}" if result.perplexity_before else "-"
     width = 17 if n_rounds > 1 else 6
-    print(f"{'mode':<8} {'step s':>7} {'vs tp':>{width}} {'vs ideal':>8} {'idle':>6} {'ppl before':>10} {'ppl after':>9}  split")
+    print(
+        f"{'mode':<8} {'step s':>7} {'vs tp':>{width}} {'vs ideal':>8} {'idle':>6} {'ppl before':>10} {'ppl after':>9}  split"
+    )
     for mode, r in reports.items():
         vs_tp = _ratio_text(rounds, mode, "tp") if "tp" in reports else "-"
         vs_ideal = f"{r.mean_step_seconds / ideal:.2f}" if ideal else "-"
         ppl = f"{result.perplexity_after[mode]:.3f}" if mode in result.perplexity_after else "-"
-        print(f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>{width}} {vs_ideal:>8} {r.idle_ratio:>6.1%} {ppl0:>10} {ppl:>9}  {describe_layout(r.split, r.stages)}")
+        print(
+            f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>{width}} {vs_ideal:>8} {r.idle_ratio:>6.1%} {ppl0:>10} {ppl:>9}  {describe_layout(r.split, r.stages)}"
+        )
     if n_rounds > 1:
-        print("\nstep seconds by round: " + "; ".join(
-            f"{mode} " + " ".join(f"{s:.2f}" for s in seconds) for mode, seconds in rounds.items()))
+        print(
+            "\nstep seconds by round: "
+            + "; ".join(f"{mode} " + " ".join(f"{s:.2f}" for s in seconds) for mode, seconds in rounds.items())
+        )
         for mode, layouts in result.round_layouts.items():
             line = layouts_by_round(layouts, result.round_idle[mode])
             if line:
                 print(f"{mode} layouts by round: {line}")
-    print("\nper device [speed], seconds per measured step: compute / comm / idle"
-          " (profiled modes: + compute stall = measured / profiled compute - 1; TP modes: + wait at"
-          " segment ends, inside comm)")
+    print(
+        "\nper device [speed], seconds per measured step: compute / comm / idle"
+        " (profiled modes: + compute stall = measured / profiled compute - 1; TP modes: + wait at"
+        " segment ends, inside comm)"
+    )
     for mode, r in reports.items():
         per = "  ".join(
             node_seconds(n, r.measured_steps)

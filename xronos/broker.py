@@ -34,8 +34,11 @@ class CredentialAuthPlugin(BaseAuthPlugin):
 
 
 def broker_config(host: str, port: int, users: dict[str, str] | None) -> dict:
-    auth = ({"xronos.broker.CredentialAuthPlugin": {"users": users}} if users else
-            {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}})
+    auth = (
+        {"xronos.broker.CredentialAuthPlugin": {"users": users}}
+        if users
+        else {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}
+    )
     return {"listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}}, "plugins": auth}
 
 
@@ -54,7 +57,7 @@ class EmbeddedBroker:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="xronos-broker")
         self._broker = None
 
-    def start(self) -> "EmbeddedBroker":
+    def start(self) -> EmbeddedBroker:
         from amqtt.broker import Broker
 
         for name in ("amqtt", "transitions"):

@@ -62,7 +62,7 @@ def _split(text: str) -> dict[str, list]:
 
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
-    p.add_argument("--data", required=True, help="JSONL of {\"input_ids\": [...]} rows, or a text file")
+    p.add_argument("--data", required=True, help='JSONL of {"input_ids": [...]} rows, or a text file')
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (divides --batch-size)")
@@ -74,13 +74,21 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--micro-batches", type=int, help="pp mode: micro-batches per step (default: --batch-size)")
-    p.add_argument("--replan-after", type=int, default=2,
-                   help="xronos mode: check the split against the measured compute every this many timed steps "
-                        "(re-shard for a predicted 3%% gain, or 1%% that two checks in a row find; at most 8 checks, "
-                        "3 re-shards; 0: never)")
-    p.add_argument("--collective", choices=("auto", "ring", "hub"), default="auto",
-                   help="tp and xronos modes: all-reduce by gloo's ring, through a hub (the device with the "
-                        "cheapest exchange), or auto: time both on the job's devices first and keep the faster")
+    p.add_argument(
+        "--replan-after",
+        type=int,
+        default=2,
+        help="xronos mode: check the split against the measured compute every this many timed steps "
+        "(re-shard for a predicted 3%% gain, or 1%% that two checks in a row find; at most 8 checks, "
+        "3 re-shards; 0: never)",
+    )
+    p.add_argument(
+        "--collective",
+        choices=("auto", "ring", "hub"),
+        default="auto",
+        help="tp and xronos modes: all-reduce by gloo's ring, through a hub (the device with the "
+        "cheapest exchange), or auto: time both on the job's devices first and keep the faster",
+    )
 
 
 def _job_from_args(args):
@@ -111,8 +119,15 @@ def cmd_run(args) -> int:
     from xronos.summary import print_report
 
     job = _job_from_args(args)
-    report = run_local(job, args.nodes, args.speeds, args.split, threads=args.threads, show_progress=not args.quiet,
-                       metrics_port=args.metrics_port)
+    report = run_local(
+        job,
+        args.nodes,
+        args.speeds,
+        args.split,
+        threads=args.threads,
+        show_progress=not args.quiet,
+        metrics_port=args.metrics_port,
+    )
     if args.report:
         Path(args.report).write_text(report.model_dump_json(indent=2))
     print_report(report)
@@ -132,8 +147,10 @@ def profiles_in(document, path: str) -> list:
         document = reports.get("xronos") if isinstance(reports, dict) else None
     profiles = document.get("profiles") if isinstance(document, dict) else None
     if not profiles:
-        raise XronosError(f"{path}: holds no profiles (a run with a fixed split or of mode tp or single, "
-                          "or a bench without mode xronos)")
+        raise XronosError(
+            f"{path}: holds no profiles (a run with a fixed split or of mode tp or single, "
+            "or a bench without mode xronos)"
+        )
     return profiles
 
 
@@ -142,10 +159,10 @@ def cmd_plan(args) -> int:
 
     from pydantic import TypeAdapter
 
-    from xronos.planner.partitioner import plan_partition
     from edge_node.model_io import load_config
     from xronos.contract.profiles import DeviceProfile
     from xronos.contract.splits import ModelDims
+    from xronos.planner.partitioner import plan_partition
     from xronos.summary import print_plan
 
     raw = []
@@ -162,11 +179,19 @@ def cmd_plan(args) -> int:
         raise XronosError("the profiles were measured at different shapes; profile all devices for the same job")
     shape = shapes.pop()
     if (shape.hidden_size, shape.head_dim, shape.mlp_block, shape.vocab_block) != (
-        dims.hidden_size, dims.head_dim, dims.mlp_block, dims.vocab_block
+        dims.hidden_size,
+        dims.head_dim,
+        dims.mlp_block,
+        dims.vocab_block,
     ):
         raise XronosError("the profiles were measured for another model shape than --model")
-    plan = plan_partition(profiles, dims, shape.micro_batch, shape.seq_len,
-                          **({} if args.idle_tolerance is None else {"tolerance": args.idle_tolerance}))
+    plan = plan_partition(
+        profiles,
+        dims,
+        shape.micro_batch,
+        shape.seq_len,
+        **({} if args.idle_tolerance is None else {"tolerance": args.idle_tolerance}),
+    )
     if args.json:
         print(plan.model_dump_json(indent=2))
     else:
@@ -182,11 +207,14 @@ def cmd_schema(args) -> int:
     out = Path(args.out)
     texts = {name: json.dumps(schema, indent=2) + "\n" for name, schema in json_schemas().items()}
     if args.check:
-        stale = sorted(name for name, text in texts.items()
-                       if not (out / name).is_file() or (out / name).read_text() != text)
+        stale = sorted(
+            name for name, text in texts.items() if not (out / name).is_file() or (out / name).read_text() != text
+        )
         extra = sorted(p.name for p in out.glob("*.json") if p.name not in texts)
         if stale or extra:
-            raise XronosError(f"{out} differs from the wire models ({', '.join(stale + extra)}): run xronos schema --out {out}")
+            raise XronosError(
+                f"{out} differs from the wire models ({', '.join(stale + extra)}): run xronos schema --out {out}"
+            )
         print(f"{out}: {len(texts)} schemas match the wire models")
         return 0
     out.mkdir(parents=True, exist_ok=True)
@@ -218,8 +246,16 @@ def cmd_bench(args) -> int:
     bad = [m for m in args.pp_micro_batches or [] if base.batch_size % m]
     if bad:
         raise XronosError(f"--pp-micro-batches {bad[0]} does not divide --batch-size {base.batch_size}")
-    result = run_bench(base, modes, speeds, args.eval_data, args.eval_rows, show_progress=not args.quiet,
-                       pp_micro_batches=args.pp_micro_batches, rounds=args.rounds)
+    result = run_bench(
+        base,
+        modes,
+        speeds,
+        args.eval_data,
+        args.eval_rows,
+        show_progress=not args.quiet,
+        pp_micro_batches=args.pp_micro_batches,
+        rounds=args.rounds,
+    )
     print_bench(result)
     if args.json:
         save_json(result, args.json)
@@ -254,8 +290,11 @@ def _settings(args):
 def _log_to_stderr(args) -> None:
     import logging
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
 
 
 def cmd_broker(args) -> int:
@@ -272,8 +311,11 @@ def cmd_broker(args) -> int:
     if bool(username) != bool(password):
         raise XronosError("give both --username and --password (or neither)")
     broker = EmbeddedBroker(args.host, args.port, {username: password} if username else None).start()
-    print(f"xronos broker listening on {args.host}:{broker.port} (MQTT 3.1.1"
-          f"{', password required' if username else ', anonymous'})", flush=True)
+    print(
+        f"xronos broker listening on {args.host}:{broker.port} (MQTT 3.1.1"
+        f"{', password required' if username else ', anonymous'})",
+        flush=True,
+    )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
@@ -286,8 +328,9 @@ def cmd_controller(args) -> int:
     from controller.service import ControllerOptions, run_controller
 
     _log_to_stderr(args)
-    options = ControllerOptions(metrics_port=args.metrics_port, state_dir=args.state_dir,
-                                heartbeat_timeout=args.heartbeat_timeout)
+    options = ControllerOptions(
+        metrics_port=args.metrics_port, state_dir=args.state_dir, heartbeat_timeout=args.heartbeat_timeout
+    )
     return run_controller(options, _settings(args))
 
 
@@ -296,16 +339,23 @@ def cmd_node(args) -> int:
 
     _log_to_stderr(args)
     workdir = args.workdir or Path.home() / ".cache" / "xronos" / "nodes" / args.node_id
-    options = NodeOptions(node_id=args.node_id, speed=args.speed, metrics_port=args.metrics_port, address=args.address,
-                          threads=args.threads, workdir=workdir, heartbeat_seconds=args.heartbeat_seconds)
+    options = NodeOptions(
+        node_id=args.node_id,
+        speed=args.speed,
+        metrics_port=args.metrics_port,
+        address=args.address,
+        threads=args.threads,
+        workdir=workdir,
+        heartbeat_seconds=args.heartbeat_seconds,
+    )
     return run_node(options, _settings(args))
 
 
 def cmd_train(args) -> int:
+    import os
+
     from xronos.contract import wire
     from xronos.operator import new_job_id, submit
-
-    import os
 
     # paths are the nodes' paths; a relative one is taken against this directory (same machine or shared mount)
     args.model, args.data, args.output = (os.path.abspath(x) for x in (args.model, args.data, args.output))
@@ -361,7 +411,9 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xronos", description="Heterogeneity-aware tensor-parallel fine-tuning on CPU edge devices.")
+    parser = argparse.ArgumentParser(
+        prog="xronos", description="Heterogeneity-aware tensor-parallel fine-tuning on CPU edge devices."
+    )
     parser.add_argument("--version", action="version", version=f"xronos {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -370,24 +422,40 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=int, default=3, help="number of emulated devices")
     run.add_argument("--speeds", type=_numbers, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
     run.add_argument("--mode", choices=MODES, default="xronos")
-    run.add_argument("--split", type=_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)")
+    run.add_argument(
+        "--split", type=_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)"
+    )
     run.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     run.add_argument("--report", help="write the JSON report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
-    run.add_argument("--metrics-port", type=_port, metavar="PORT",
-                     help="serve each device's Prometheus metrics while the run lasts, device d on PORT+d "
-                          "(9101 matches deploy/prometheus/prometheus.yml)")
+    run.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve each device's Prometheus metrics while the run lasts, device d on PORT+d "
+        "(9101 matches deploy/prometheus/prometheus.yml)",
+    )
     run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser("plan", help="the partition plan for measured device profiles, offline")
-    plan.add_argument("--profiles", required=True, nargs="+", metavar="FILE",
-                      help="JSON list of device profiles, one profile per file (devices in file order), "
-                           "or the JSON of a xronos run (--report) or bench (--json): the profiles it planned with")
+    plan.add_argument(
+        "--profiles",
+        required=True,
+        nargs="+",
+        metavar="FILE",
+        help="JSON list of device profiles, one profile per file (devices in file order), "
+        "or the JSON of a xronos run (--report) or bench (--json): the profiles it planned with",
+    )
     plan.add_argument("--model", required=True, help="the model directory the job will train")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.add_argument("--idle-tolerance", type=_fraction, default=None, metavar="FRACTION",
-                      help="take the least idle attention layout whose step is within this of the shortest "
-                           "(default: the job's, xronos.planner.layouts.IDLE_TOLERANCE; 0: the shortest)")
+    plan.add_argument(
+        "--idle-tolerance",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="take the least idle attention layout whose step is within this of the shortest "
+        "(default: the job's, xronos.planner.layouts.IDLE_TOLERANCE; 0: the shortest)",
+    )
     plan.set_defaults(func=cmd_plan)
 
     schema = sub.add_parser("schema", help="write the JSON Schema of every MQTT message (the published wire contract)")
@@ -400,11 +468,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--nodes", type=int, default=3)
     bench.add_argument("--speeds", type=_numbers)
     bench.add_argument("--modes", default="xronos,tp,single", help="comma-separated modes to compare")
-    bench.add_argument("--pp-micro-batches", type=_positive_ints,
-                       help="pp: run once per micro-batch count listed (e.g. 1,2,4) and compare xronos with the fastest")
-    bench.add_argument("--rounds", type=int, default=1,
-                       help="run every mode this many times, the modes in turn (a shared machine drifts); "
-                            "the table shows each mode's median round and the ratios round by round")
+    bench.add_argument(
+        "--pp-micro-batches",
+        type=_positive_ints,
+        help="pp: run once per micro-batch count listed (e.g. 1,2,4) and compare xronos with the fastest",
+    )
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every mode this many times, the modes in turn (a shared machine drifts); "
+        "the table shows each mode's median round and the ratios round by round",
+    )
     bench.add_argument("--eval-data", help="held-out data (same format as --data) for perplexity before and after")
     bench.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate")
     bench.add_argument("--json", help="write every mode's report and the perplexities here")
@@ -459,24 +534,43 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--listen", type=float, default=2.5, help="seconds to listen for heartbeats")
     status.set_defaults(func=cmd_status)
 
-    demo = sub.add_parser("demo", help="one command, one machine: a small job on 3 emulated devices, even vs speed-aware")
+    demo = sub.add_parser(
+        "demo", help="one command, one machine: a small job on 3 emulated devices, even vs speed-aware"
+    )
     demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")
     demo.add_argument("--steps", type=int, default=8)
     demo.add_argument("--speeds", type=_numbers, default=[1.0, 0.5, 0.25])
-    demo.add_argument("--metrics-port", type=_port, default=9100, metavar="PORT",
-                      help="the controller's metrics on PORT, node i's on PORT+1+i (as deploy/prometheus/prometheus.yml "
-                           "scrapes them); taken ports give way to free ones")
+    demo.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=9100,
+        metavar="PORT",
+        help="the controller's metrics on PORT, node i's on PORT+1+i (as deploy/prometheus/prometheus.yml "
+        "scrapes them); taken ports give way to free ones",
+    )
     demo.set_defaults(func=cmd_demo)
 
     deploy = sub.add_parser("deploy", help="roll node containers out to devices through their Docker Engine API")
-    deploy.add_argument("action", nargs="?", choices=("up", "status", "remove"), default="up",
-                        help="up (default): (re)create each device's node container; status; remove (volumes stay)")
-    deploy.add_argument("--inventory", required=True, metavar="FILE",
-                        help="YAML inventory of devices (xronos/inventory.py, deploy/README.md)")
+    deploy.add_argument(
+        "action",
+        nargs="?",
+        choices=("up", "status", "remove"),
+        default="up",
+        help="up (default): (re)create each device's node container; status; remove (volumes stay)",
+    )
+    deploy.add_argument(
+        "--inventory",
+        required=True,
+        metavar="FILE",
+        help="YAML inventory of devices (xronos/inventory.py, deploy/README.md)",
+    )
     deploy.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
-    deploy.add_argument("--targets", metavar="FILE",
-                        help="Prometheus file_sd targets to write (default deploy/prometheus/targets/xronos-deploy.json "
-                             "when run from the repository root)")
+    deploy.add_argument(
+        "--targets",
+        metavar="FILE",
+        help="Prometheus file_sd targets to write (default deploy/prometheus/targets/xronos-deploy.json "
+        "when run from the repository root)",
+    )
     deploy.set_defaults(func=cmd_deploy)
     return parser
 

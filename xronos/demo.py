@@ -23,8 +23,8 @@ from pathlib import Path
 from controller.service import Controller, ControllerOptions
 from edge_node.toy_model import make_data, make_model
 from edge_node.worker_process import die_with_parent, free_port, stop_processes
-from xronos.contract import wire
 from xronos.broker import EmbeddedBroker
+from xronos.contract import wire
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.mqtt import BrokerSettings
@@ -36,13 +36,30 @@ SEQ_LEN, BATCH = 64, 8
 DEMO_USER, DEMO_PASSWORD = "xronos-demo", "demo-only-password"
 
 
-def _start_node(root: Path, node_id: str, speed: float, settings: BrokerSettings, metrics_port: int) -> subprocess.Popen:
+def _start_node(
+    root: Path, node_id: str, speed: float, settings: BrokerSettings, metrics_port: int
+) -> subprocess.Popen:
     log = (root / f"{node_id}.log").open("wb")
-    cmd = [sys.executable, "-m", "xronos.cli", "node", "--node-id", node_id, "--speed", str(speed),
-           "--workdir", str(root / "nodes" / node_id), "--broker", settings.broker, "--metrics-port", str(metrics_port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xronos.cli",
+        "node",
+        "--node-id",
+        node_id,
+        "--speed",
+        str(speed),
+        "--workdir",
+        str(root / "nodes" / node_id),
+        "--broker",
+        settings.broker,
+        "--metrics-port",
+        str(metrics_port),
+    ]
     env_auth = {"XRONOS_USERNAME": settings.username, "XRONOS_PASSWORD": settings.password.get_secret_value()}
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_auth},
-                            preexec_fn=die_with_parent)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_auth}, preexec_fn=die_with_parent
+    )
 
 
 def _wait_online(controller: Controller, nodes: list[str], procs: list[subprocess.Popen], timeout: float) -> None:
@@ -73,8 +90,9 @@ def metrics_ports(first: int, count: int) -> list[int]:
     return ports
 
 
-def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | None = None,
-             metrics_port: int = 9100) -> int:
+def run_demo(
+    workdir: str | None = None, steps: int = 8, speeds: list[float] | None = None, metrics_port: int = 9100
+) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -88,24 +106,45 @@ def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | N
         port = free_port()
         broker = EmbeddedBroker("127.0.0.1", port, {DEMO_USER: DEMO_PASSWORD}).start()
         settings = BrokerSettings(broker=f"mqtt://127.0.0.1:{port}", username=DEMO_USER, password=DEMO_PASSWORD)
-        print(f"demo: embedded broker on 127.0.0.1:{port} (password required), controller, "
-              f"{len(speeds)} nodes at speeds {speeds}; logs in {root}")
+        print(
+            f"demo: embedded broker on 127.0.0.1:{port} (password required), controller, "
+            f"{len(speeds)} nodes at speeds {speeds}; logs in {root}"
+        )
         ports = metrics_ports(metrics_port, 1 + len(speeds))
-        controller = Controller(ControllerOptions(state_dir=root / "controller", metrics_port=ports[0]), settings).start()
+        controller = Controller(
+            ControllerOptions(state_dir=root / "controller", metrics_port=ports[0]), settings
+        ).start()
         node_ids = [f"node-{i}" for i in range(len(speeds))]
-        procs = [_start_node(root, node_id, speed, settings, port)
-                 for node_id, speed, port in zip(node_ids, speeds, ports[1:])]
-        print("demo: Prometheus metrics at " + ", ".join(
-            f"{name} http://127.0.0.1:{port}/metrics" for name, port in zip(["controller", *node_ids], ports)))
+        procs = [
+            _start_node(root, node_id, speed, settings, port)
+            for node_id, speed, port in zip(node_ids, speeds, ports[1:])
+        ]
+        print(
+            "demo: Prometheus metrics at "
+            + ", ".join(
+                f"{name} http://127.0.0.1:{port}/metrics" for name, port in zip(["controller", *node_ids], ports)
+            )
+        )
         if ports != list(range(metrics_port, metrics_port + len(ports))):
-            print("demo: some of the usual ports were taken; deploy/prometheus/prometheus.yml scrapes "
-                  f"{metrics_port}-{metrics_port + len(ports) - 1}, so point its targets at the ports above")
+            print(
+                "demo: some of the usual ports were taken; deploy/prometheus/prometheus.yml scrapes "
+                f"{metrics_port}-{metrics_port + len(ports) - 1}, so point its targets at the ports above"
+            )
         try:
             _wait_online(controller, node_ids, procs, timeout=120)
             reports = []
             for mode in ("tp", "xronos"):
-                job = JobOptions(model=str(model), data=str(data), output=str(root / f"out-{mode}"), mode=mode,
-                                 steps=steps, batch_size=BATCH, seq_len=SEQ_LEN, lr=1e-3, shuffle=False)
+                job = JobOptions(
+                    model=str(model),
+                    data=str(data),
+                    output=str(root / f"out-{mode}"),
+                    mode=mode,
+                    steps=steps,
+                    batch_size=BATCH,
+                    seq_len=SEQ_LEN,
+                    lr=1e-3,
+                    shuffle=False,
+                )
                 command = wire.TrainCommand(job_id=f"demo-{mode}-{int(time.time())}", job=job, nodes=node_ids)
                 print(f"\ndemo: publishing xronos/cmd/train for job {command.job_id} (mode {mode})", flush=True)
                 status = submit(settings, command, wait=True, timeout=600)
@@ -115,8 +154,10 @@ def run_demo(workdir: str | None = None, steps: int = 8, speeds: list[float] | N
                 reports.append(status.report)
             print_side_by_side(reports)
             tp, xr = reports
-            print(f"\nxronos step time is {xr.mean_step_seconds / tp.mean_step_seconds:.2f}x the even split's; "
-                  f"idle {xr.idle_ratio:.1%} vs {tp.idle_ratio:.1%}")
+            print(
+                f"\nxronos step time is {xr.mean_step_seconds / tp.mean_step_seconds:.2f}x the even split's; "
+                f"idle {xr.idle_ratio:.1%} vs {tp.idle_ratio:.1%}"
+            )
         finally:
             stop_processes(procs, grace=15)  # the nodes publish `offline` and stop their workers
             controller.close()

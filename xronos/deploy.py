@@ -31,8 +31,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from xronos.contract.errors import XronosError
-from xronos.inventory import Device, Inventory, load_inventory, password_variable
 from xronos.contract.files import write_atomically
+from xronos.inventory import Device, Inventory, load_inventory, password_variable
 
 CONTAINER_PREFIX = "xronos-node-"
 LABELS = {"role": "io.xronos.role", "node": "io.xronos.node-id", "device": "io.xronos.device"}
@@ -60,14 +60,24 @@ def container_name(device: Device) -> str:
 
 def node_command(device: Device) -> list[str]:
     """The container's command (the image's entrypoint is `xronos`): no secret on it."""
-    command = ["node", "--node-id", device.node, "--metrics-port", str(device.metrics_port),
-               "--threads", str(device.threads)]
+    command = [
+        "node",
+        "--node-id",
+        device.node,
+        "--metrics-port",
+        str(device.metrics_port),
+        "--threads",
+        str(device.threads),
+    ]
     return command + (["--address", device.address] if device.address else [])
 
 
 def node_environment(inventory: Inventory, device: Device) -> dict[str, str]:
-    env = {"XRONOS_BROKER": inventory.broker, "XRONOS_USERNAME": device.username or device.node,
-           "XRONOS_PASSWORD_FILE": f"{SECRET_DIR}/{SECRET_NAME}"}
+    env = {
+        "XRONOS_BROKER": inventory.broker,
+        "XRONOS_USERNAME": device.username or device.node,
+        "XRONOS_PASSWORD_FILE": f"{SECRET_DIR}/{SECRET_NAME}",
+    }
     return env | ({"GLOO_SOCKET_IFNAME": device.gloo_interface} if device.gloo_interface else {})
 
 
@@ -83,7 +93,9 @@ def read_password(device: Device) -> str:
         try:
             password = device.password_file.read_text().rstrip("\r\n")
         except OSError as err:
-            raise XronosError(f"cannot read password_file {str(device.password_file)!r}: {err.strerror or err}") from None
+            raise XronosError(
+                f"cannot read password_file {str(device.password_file)!r}: {err.strerror or err}"
+            ) from None
     else:
         variable = device.password_env or password_variable(device.node)
         password = os.environ.get(variable, "")
@@ -124,11 +136,15 @@ def connect(device: Device):
     _reachable(device)
     tls = False
     if device.tls is not None:
-        tls = TLSConfig(client_cert=(str(device.tls.client_cert), str(device.tls.client_key)),
-                        ca_cert=str(device.tls.ca_cert), verify=True)
+        tls = TLSConfig(
+            client_cert=(str(device.tls.client_cert), str(device.tls.client_key)),
+            ca_cert=str(device.tls.ca_cert),
+            verify=True,
+        )
     try:
-        client = docker.DockerClient(base_url=device.base_url, tls=tls, use_ssh_client=device.scheme == "ssh",
-                                     timeout=HANDSHAKE_SECONDS)
+        client = docker.DockerClient(
+            base_url=device.base_url, tls=tls, use_ssh_client=device.scheme == "ssh", timeout=HANDSHAKE_SECONDS
+        )
         client.ping()
         client.api.timeout = API_SECONDS  # pulls and stops may take longer than the handshake
     except docker.errors.DockerException as err:
@@ -159,8 +175,10 @@ def _ensure_image(client, inventory: Inventory):
             return image
     except docker.errors.ImageNotFound:
         if inventory.pull == "never":
-            raise XronosError(f"image {inventory.image} is not on the device (pull: never): load it there first, "
-                              f"e.g. docker save {inventory.image} | ssh DEVICE docker load") from None
+            raise XronosError(
+                f"image {inventory.image} is not on the device (pull: never): load it there first, "
+                f"e.g. docker save {inventory.image} | ssh DEVICE docker load"
+            ) from None
     return client.images.pull(inventory.image)
 
 
@@ -217,19 +235,30 @@ def deploy_device(inventory: Inventory, device: Device) -> Outcome:
             _stop(old)
         restart = {"Name": device.restart} | ({"MaximumRetryCount": device.max_retries} if device.max_retries else {})
         container = client.containers.create(
-            inventory.image, command=node_command(device), name=container_name(device),
-            environment=node_environment(inventory, device), network_mode="host", init=True,
-            nano_cpus=int(device.cpus * 1e9) if device.cpus else None, mem_limit=device.memory,
-            restart_policy=restart, volumes=list(inventory.mounts),
-            labels={LABELS["role"]: "node", LABELS["node"]: device.node, LABELS["device"]: device.name})
+            inventory.image,
+            command=node_command(device),
+            name=container_name(device),
+            environment=node_environment(inventory, device),
+            network_mode="host",
+            init=True,
+            nano_cpus=int(device.cpus * 1e9) if device.cpus else None,
+            mem_limit=device.memory,
+            restart_policy=restart,
+            volumes=list(inventory.mounts),
+            labels={LABELS["role"]: "node", LABELS["node"]: device.node, LABELS["device"]: device.name},
+        )
         if not container.put_archive(SECRET_DIR, _secret_tar(password, image.attrs["Config"].get("User") or "")):
             raise XronosError(f"could not write the password file into {SECRET_DIR}")
         container.start()
         container.reload()
         if container.status != "running":
             raise XronosError(f"the container {container.status} at once: {_last_log_line(container)}")
-        limits = ", ".join(x for x in (device.cpus and f"cpus {device.cpus:g}",
-                                       device.memory and f"memory {device.memory}") if x) or "no limits"
+        limits = (
+            ", ".join(
+                x for x in (device.cpus and f"cpus {device.cpus:g}", device.memory and f"memory {device.memory}") if x
+            )
+            or "no limits"
+        )
         return True, f"running {container.name} ({container.short_id}), {limits}"
 
     return _on_engine(device, work)
@@ -250,7 +279,8 @@ def status_device(inventory: Inventory, device: Device) -> Outcome:
         return container.status == "running", (
             f"{container.name} {container.status} ({health}), image {container.attrs['Config']['Image']}, "
             f"cpus {(host.get('NanoCpus') or 0) / 1e9:g}, memory {(host.get('Memory') or 0) // 2**20} MiB, "
-            f"restarts {container.attrs.get('RestartCount', 0)}")
+            f"restarts {container.attrs.get('RestartCount', 0)}"
+        )
 
     return _on_engine(device, work)
 
@@ -275,8 +305,7 @@ def for_each(inventory: Inventory, action) -> list[Outcome]:
 
 def targets(devices: list[Device]) -> list[dict]:
     """Prometheus file_sd entries: each node's metrics endpoint, labelled by role and device."""
-    return [{"targets": [f"{d.host}:{d.metrics_port}"], "labels": {"role": "node", "device": d.name}}
-            for d in devices]
+    return [{"targets": [f"{d.host}:{d.metrics_port}"], "labels": {"role": "node", "device": d.name}} for d in devices]
 
 
 def write_targets(path: Path, devices: list[Device]) -> None:
@@ -293,17 +322,22 @@ def describe(inventory: Inventory, device: Device) -> list[str]:
     except XronosError:
         found = "MISSING"
     env = node_environment(inventory, device)
-    limits = [f"cpus {device.cpus:g}" if device.cpus else "all cpus", f"memory {device.memory or 'unlimited'}",
-              f"restart {device.restart}" + (f" (max {device.max_retries})" if device.max_retries else ""),
-              "network host" + (f" (collectives on {device.gloo_interface})" if device.gloo_interface else "")]
-    return [f"{device.name}  {device.base_url}",
-            f"  container {container_name(device)}  image {inventory.image} (pull: {inventory.pull})",
-            f"  command   xronos {' '.join(node_command(device))}",
-            f"  limits    {', '.join(limits)}",
-            f"  mounts    {', '.join(inventory.mounts)}",
-            f"  broker    {env['XRONOS_BROKER']} as {env['XRONOS_USERNAME']}; password from {password_source(device)} "
-            f"({found}) into {env['XRONOS_PASSWORD_FILE']}",
-            f"  metrics   {device.host}:{device.metrics_port}"]
+    limits = [
+        f"cpus {device.cpus:g}" if device.cpus else "all cpus",
+        f"memory {device.memory or 'unlimited'}",
+        f"restart {device.restart}" + (f" (max {device.max_retries})" if device.max_retries else ""),
+        "network host" + (f" (collectives on {device.gloo_interface})" if device.gloo_interface else ""),
+    ]
+    return [
+        f"{device.name}  {device.base_url}",
+        f"  container {container_name(device)}  image {inventory.image} (pull: {inventory.pull})",
+        f"  command   xronos {' '.join(node_command(device))}",
+        f"  limits    {', '.join(limits)}",
+        f"  mounts    {', '.join(inventory.mounts)}",
+        f"  broker    {env['XRONOS_BROKER']} as {env['XRONOS_USERNAME']}; password from {password_source(device)} "
+        f"({found}) into {env['XRONOS_PASSWORD_FILE']}",
+        f"  metrics   {device.host}:{device.metrics_port}",
+    ]
 
 
 def _targets_path(given: str | None) -> Path | None:
@@ -323,8 +357,11 @@ def run_deploy(action: str, inventory_file: str, dry_run: bool = False, targets_
                 print("\n".join(describe(inventory, device)))
         else:
             for device in inventory.devices:
-                print(f"{device.name}  {device.base_url}: would {action} {container_name(device)}" if action == "remove"
-                      else f"{device.name}  {device.base_url}: would show {container_name(device)}")
+                print(
+                    f"{device.name}  {device.base_url}: would {action} {container_name(device)}"
+                    if action == "remove"
+                    else f"{device.name}  {device.base_url}: would show {container_name(device)}"
+                )
         if path is not None and action != "status":
             kept = inventory.devices if action == "up" else []
             print(f"targets: would write {len(kept)} Prometheus target(s) to {path}")
@@ -344,6 +381,7 @@ def run_deploy(action: str, inventory_file: str, dry_run: bool = False, targets_
     bad = [o for o in outcomes if not o.ok]
     if bad:
         verb = {"up": "deployed", "status": "running", "remove": "removed"}[action]
-        raise XronosError(f"{len(bad)} of {len(outcomes)} devices not {verb}: "
-                          + "; ".join(f"{o.device} ({o.detail})" for o in bad))
+        raise XronosError(
+            f"{len(bad)} of {len(outcomes)} devices not {verb}: " + "; ".join(f"{o.device} ({o.detail})" for o in bad)
+        )
     return 0

@@ -22,8 +22,11 @@ FIRST_PROCESS = Path("/proc/1/cmdline")
 def metrics_port(argv: list[str]) -> int | None:
     """The value of `--metrics-port N` / `--metrics-port=N` in `argv` (None: not given, or not a number)."""
     for i, arg in enumerate(argv):
-        value = argv[i + 1] if arg == "--metrics-port" and i + 1 < len(argv) else (
-            arg.partition("=")[2] if arg.startswith("--metrics-port=") else None)
+        value = (
+            argv[i + 1]
+            if arg == "--metrics-port" and i + 1 < len(argv)
+            else (arg.partition("=")[2] if arg.startswith("--metrics-port=") else None)
+        )
         if value is not None:
             return int(value) if value.isdigit() else None
     return None

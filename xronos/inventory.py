@@ -32,8 +32,16 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, StringConstraints, ValidationError,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 from xronos.contract.errors import XronosError
 from xronos.contract.wire import Id
@@ -69,24 +77,32 @@ class Tls(_Strict):
 
 class Device(_Strict):
     name: Id = Field(description="What the device is called here (reports, target labels).")
-    base_url: str = Field(description="Its Docker Engine API: ssh://user@host, tcp://host:2376 (with tls), "
-                                      "or unix:///path/docker.sock.")
+    base_url: str = Field(
+        description="Its Docker Engine API: ssh://user@host, tcp://host:2376 (with tls), or unix:///path/docker.sock."
+    )
     node_id: Id | None = Field(None, description="The node's id and MQTT username (default: name).")
     cpus: PositiveFloat | None = Field(None, description="CPU limit in cores (docker --cpus); none: all.")
     memory: Memory | None = Field(None, description="Memory limit (docker --memory), e.g. 768m; none: all.")
     restart: Literal["no", "always", "unless-stopped", "on-failure"] = "unless-stopped"
     max_retries: PositiveInt | None = Field(None, description="With restart on-failure: give up after this many.")
     metrics_port: int = Field(9101, ge=1, le=65535, description="The node's --metrics-port (host network).")
-    address: str | None = Field(None, description="How other devices and Prometheus reach this one (the node's "
-                                                  "--address); default: the host of base_url for the targets, "
-                                                  "and the address facing the broker for the collectives.")
+    address: str | None = Field(
+        None,
+        description="How other devices and Prometheus reach this one (the node's "
+        "--address); default: the host of base_url for the targets, "
+        "and the address facing the broker for the collectives.",
+    )
     threads: PositiveInt = Field(1, description="Torch threads of the node's training worker.")
-    gloo_interface: str | None = Field(None, description="The network interface the collectives use (GLOO_SOCKET_IFNAME, "
-                                                         "e.g. eth0): needed where the host name resolves to a "
-                                                         "loopback address, as Debian's 127.0.1.1 does.")
+    gloo_interface: str | None = Field(
+        None,
+        description="The network interface the collectives use (GLOO_SOCKET_IFNAME, "
+        "e.g. eth0): needed where the host name resolves to a "
+        "loopback address, as Debian's 127.0.1.1 does.",
+    )
     username: str | None = Field(None, description="MQTT username (default: the node id, as the ACLs expect).")
-    password_env: str | None = Field(None, description="Environment variable holding the MQTT password "
-                                                       "(default XRONOS_PASSWORD_<NODE_ID>).")
+    password_env: str | None = Field(
+        None, description="Environment variable holding the MQTT password (default XRONOS_PASSWORD_<NODE_ID>)."
+    )
     password_file: Path | None = Field(None, description="Or a file holding it.")
     tls: Tls | None = None
 
@@ -106,7 +122,7 @@ class Device(_Strict):
         return urlsplit(self.base_url).hostname or "127.0.0.1"
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Device":
+    def _consistent(self) -> Device:
         parts = urlsplit(self.base_url)
         if parts.scheme not in ENGINE_SCHEMES:
             raise ValueError(f"base_url {self.base_url!r}: use ssh://user@host, tcp://host:2376 or unix:///path")
@@ -115,8 +131,10 @@ class Device(_Strict):
         if parts.scheme in ("tcp", "ssh") and not parts.hostname:
             raise ValueError(f"base_url {self.base_url!r} names no host")
         if parts.scheme == "tcp" and self.tls is None:
-            raise ValueError("a tcp:// engine needs tls (ca_cert, client_cert, client_key): without it anyone who "
-                             "reaches the port is root on the device; or use ssh://")
+            raise ValueError(
+                "a tcp:// engine needs tls (ca_cert, client_cert, client_key): without it anyone who "
+                "reaches the port is root on the device; or use ssh://"
+            )
         if parts.scheme != "tcp" and self.tls is not None:
             raise ValueError("tls is for tcp:// engines only (ssh:// and unix sockets are secured by their transport)")
         if self.password_env is not None and self.password_file is not None:
@@ -129,16 +147,20 @@ class Device(_Strict):
 class Inventory(_Strict):
     image: str = Field("xronos:latest", description="The node image on every device.")
     pull: Literal["missing", "always", "never"] = Field(
-        "missing", description="Pull the image on a device: when it is missing there, always, or never "
-                               "(no registry: load it first, deploy/README.md).")
+        "missing",
+        description="Pull the image on a device: when it is missing there, always, or never "
+        "(no registry: load it first, deploy/README.md).",
+    )
     broker: str = Field(description="mqtt://host:port as the devices reach the broker.")
-    mounts: list[Mount] = Field(default_factory=lambda: list(DEFAULT_MOUNTS),
-                                description="Volumes of every node container (models and data where train "
-                                            "commands name them, checkpoints for the output).")
+    mounts: list[Mount] = Field(
+        default_factory=lambda: list(DEFAULT_MOUNTS),
+        description="Volumes of every node container (models and data where train "
+        "commands name them, checkpoints for the output).",
+    )
     devices: list[Device] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _unique(self) -> "Inventory":
+    def _unique(self) -> Inventory:
         parts = urlsplit(self.broker if "://" in self.broker else f"mqtt://{self.broker}")
         if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
             raise ValueError(f"broker {self.broker!r}: use mqtt://host:port (TLS for the broker is not supported yet)")
@@ -155,8 +177,9 @@ class Inventory(_Strict):
             ports.add((d.base_url, d.metrics_port))
         return self
 
-    def resolved(self, base: Path) -> "Inventory":
+    def resolved(self, base: Path) -> Inventory:
         """Relative certificate and password file paths taken against `base` (the inventory's directory)."""
+
         def at(path: Path | None) -> Path | None:
             return None if path is None else (path if path.is_absolute() else base / path)
 
@@ -172,7 +195,11 @@ def _where(loc: tuple, raw) -> str:
     out, node = "", raw
     for part in loc:
         if isinstance(part, int):
-            name = node[part].get("name") if isinstance(node, list) and part < len(node) and isinstance(node[part], dict) else None
+            name = (
+                node[part].get("name")
+                if isinstance(node, list) and part < len(node) and isinstance(node[part], dict)
+                else None
+            )
             out += f"[{part}]" + (f" ({name})" if name else "")
         else:
             out += f".{part}" if out else str(part)

@@ -39,9 +39,14 @@ class Mosquitto:
         self.url = f"mqtt://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Mosquitto":
+    def __enter__(self) -> Mosquitto:
         self.dir.mkdir(parents=True, exist_ok=True)
-        lines = [f"listener {self.port} 127.0.0.1", "persistence false", "log_dest stderr", "max_queued_messages 100000"]
+        lines = [
+            f"listener {self.port} 127.0.0.1",
+            "persistence false",
+            "log_dest stderr",
+            "max_queued_messages 100000",
+        ]
         if self.users:
             passwd = self.dir / "passwd"
             passwd.write_text("")

@@ -25,8 +25,13 @@ def new_job_id() -> str:
     return time.strftime("job-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
 
 
-def submit(settings: BrokerSettings, command: wire.TrainCommand, wait: bool, timeout: float | None = None,
-           show_progress: bool = True) -> wire.JobStatus | None:
+def submit(
+    settings: BrokerSettings,
+    command: wire.TrainCommand,
+    wait: bool,
+    timeout: float | None = None,
+    show_progress: bool = True,
+) -> wire.JobStatus | None:
     """Publish `command`; with `wait`, return the job's final status (raises on a timeout)."""
     statuses: list[wire.JobStatus] = []
     changed = threading.Condition()
@@ -64,7 +69,9 @@ def submit(settings: BrokerSettings, command: wire.TrainCommand, wait: bool, tim
                 if show_progress and status.state == "running" and bar is None:
                     from tqdm import tqdm
 
-                    bar = tqdm(total=status.steps, desc=f"{command.job_id} ({command.job.mode})", unit="step", file=sys.stderr)
+                    bar = tqdm(
+                        total=status.steps, desc=f"{command.job_id} ({command.job.mode})", unit="step", file=sys.stderr
+                    )
                 if bar is not None and status.step is not None:
                     bar.update(status.step - bar.n)
                     if status.loss is not None:
@@ -129,8 +136,12 @@ def cluster_status(settings: BrokerSettings, listen_seconds: float = 2.5) -> Clu
                 jobs[job_id] = msg
 
     bus = Bus(settings, client_id=f"xronos-status-{uuid.uuid4().hex[:8]}")
-    for topic, handler in ((wire.NODE_STATUS, on_status), (wire.HEARTBEAT, on_heartbeat),
-                           (wire.PROFILE, on_profile), (wire.JOB_STATUS, on_job)):
+    for topic, handler in (
+        (wire.NODE_STATUS, on_status),
+        (wire.HEARTBEAT, on_heartbeat),
+        (wire.PROFILE, on_profile),
+        (wire.JOB_STATUS, on_job),
+    ):
         bus.subscribe(topic, handler)
     bus.start()
     time.sleep(listen_seconds)
@@ -140,18 +151,23 @@ def cluster_status(settings: BrokerSettings, listen_seconds: float = 2.5) -> Clu
         for view in nodes.values():
             if view.last_heartbeat_ts is not None:
                 view.last_heartbeat_age = max(0.0, now - view.last_heartbeat_ts)
-        return ClusterView(nodes=sorted(nodes.values(), key=lambda n: n.node_id),
-                           jobs=sorted(jobs.values(), key=lambda j: j.ts))
+        return ClusterView(
+            nodes=sorted(nodes.values(), key=lambda n: n.node_id), jobs=sorted(jobs.values(), key=lambda j: j.ts)
+        )
 
 
 def print_cluster(view: ClusterView) -> None:
-    print(f"{'node':<16} {'status':<8} {'state':<10} {'job':<28} {'step':>5} {'heartbeat':>10} {'speed':>6} {'layer ms':>9}")
+    print(
+        f"{'node':<16} {'status':<8} {'state':<10} {'job':<28} {'step':>5} {'heartbeat':>10} {'speed':>6} {'layer ms':>9}"
+    )
     for n in view.nodes:
         age = f"{n.last_heartbeat_age:.1f}s ago" if n.last_heartbeat_age is not None else "-"
-        print(f"{n.node_id:<16} {n.status or '-':<8} {n.state or '-':<10} {n.job_id or '-':<28} "
-              f"{n.step if n.step is not None else '-':>5} {age:>10} "
-              f"{n.speed_hint if n.speed_hint is not None else '-':>6} "
-              f"{f'{n.layer_ms:.1f}' if n.layer_ms is not None else '-':>9}")
+        print(
+            f"{n.node_id:<16} {n.status or '-':<8} {n.state or '-':<10} {n.job_id or '-':<28} "
+            f"{n.step if n.step is not None else '-':>5} {age:>10} "
+            f"{n.speed_hint if n.speed_hint is not None else '-':>6} "
+            f"{f'{n.layer_ms:.1f}' if n.layer_ms is not None else '-':>9}"
+        )
     if view.jobs:
         print()
         print(f"{'job':<28} {'state':<10} {'step':>9} {'loss':>8}  nodes / reason")

@@ -12,8 +12,10 @@ def _mib(n: int) -> str:
 
 def node_seconds(node: NodeReport, measured_steps: int) -> str:
     """'[speed] compute/comm/idle': one device's seconds per measured step, as the benches print them."""
-    return (f"[{node.speed:g}] {node.compute_seconds / measured_steps:.2f}/{node.comm_seconds / measured_steps:.2f}/"
-            f"{node.idle_seconds / measured_steps:.2f}")
+    return (
+        f"[{node.speed:g}] {node.compute_seconds / measured_steps:.2f}/{node.comm_seconds / measured_steps:.2f}/"
+        f"{node.idle_seconds / measured_steps:.2f}"
+    )
 
 
 def print_report(report: RunReport) -> None:
@@ -23,11 +25,16 @@ def print_report(report: RunReport) -> None:
         f"over {report.measured_steps} measured steps, idle ratio {report.idle_ratio:.1%}"
     )
     named = any(n.name for n in report.nodes)
-    print(f"{'node':<12} " * named + f"{'rank':>4} {'speed':>5} {'kv':>6} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'comm s':>7} {'idle s':>7} {'idle':>6} {'params MiB':>10} {'peak RSS MiB':>12}")
+    print(
+        f"{'node':<12} " * named
+        + f"{'rank':>4} {'speed':>5} {'kv':>6} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'comm s':>7} {'idle s':>7} {'idle':>6} {'params MiB':>10} {'peak RSS MiB':>12}"
+    )
     for n in report.nodes:
         speed = "-" if n.speed is None else f"{n.speed:g}"
         print(
-            f"{n.name or '-':<12} " * named + f"{n.rank:>4} {speed:>5} {kv_label(n.kv_groups, n.kv_rows):>6} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
+            f"{n.name or '-':<12} "
+            * named
+            + f"{n.rank:>4} {speed:>5} {kv_label(n.kv_groups, n.kv_rows):>6} {n.mlp_columns:>6} {n.vocab_rows:>6} {n.compute_seconds:>9.2f} "
             f"{n.comm_seconds:>7.2f} {n.idle_seconds:>7.2f} {n.idle_ratio:>6.1%} {_mib(n.param_bytes):>10} {_mib(n.peak_rss_bytes):>12}"
         )
     if report.collective is not None:
@@ -42,6 +49,7 @@ def print_report(report: RunReport) -> None:
 def replan_lines(report: RunReport) -> list[str]:
     """One line per re-plan check: measured (with its attention + MLP + vocabulary segments) against
     predicted compute per rank, and the outcome."""
+
     def seconds(values: list[float]) -> str:
         return "/".join(f"{v:.2f}" for v in values)
 
@@ -51,13 +59,15 @@ def replan_lines(report: RunReport) -> list[str]:
 
     def outcome(c) -> str:
         notes = ([f"best {c.predicted_gain:.1%} shorter"] if c.predicted_gain is not None else []) + (
-            [f"{c.reshard_seconds:.1f} s"] if c.reshard_seconds is not None else [])
+            [f"{c.reshard_seconds:.1f} s"] if c.reshard_seconds is not None else []
+        )
         return f" ({', '.join(notes)})" if notes else ""
 
     return [
         f"re-plan after step {c.after_step}: compute per step measured {seconds(c.measured_compute_seconds)}{parts(c)}, "
         f"predicted {seconds(c.predicted_compute_seconds)} -> "
-        + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept") + outcome(c)
+        + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept")
+        + outcome(c)
         for c in report.replans
     ]
 
@@ -65,26 +75,40 @@ def replan_lines(report: RunReport) -> list[str]:
 def print_side_by_side(reports: list[RunReport], baseline: str = "tp") -> None:
     """Step time, idle ratio and final loss per mode, with each mode's ratio to `baseline`."""
     base = next((r for r in reports if r.mode == baseline), None)
-    print(f"\n{'mode':<8} {'split':<44} {'reduce':>6} {'step s':>7} {'vs ' + baseline:>7} {'idle':>6} {'final loss':>10}")
+    print(
+        f"\n{'mode':<8} {'split':<44} {'reduce':>6} {'step s':>7} {'vs ' + baseline:>7} {'idle':>6} {'final loss':>10}"
+    )
     for r in reports:
         ratio = f"{r.mean_step_seconds / base.mean_step_seconds:.2f}" if base else "-"
         reduce = r.collective.label() if r.collective else "-"
-        print(f"{r.mode:<8} {describe_layout(r.split, r.stages)[:44]:<44} {reduce:>6} {r.mean_step_seconds:>7.3f} {ratio:>7} "
-              f"{r.idle_ratio:>6.1%} {r.losses[-1]:>10.4f}")
+        print(
+            f"{r.mode:<8} {describe_layout(r.split, r.stages)[:44]:<44} {reduce:>6} {r.mean_step_seconds:>7.3f} {ratio:>7} "
+            f"{r.idle_ratio:>6.1%} {r.losses[-1]:>10.4f}"
+        )
 
 
 def print_plan(plan) -> None:
     """The partitioner's plan: who holds what, predicted seconds, and who sits out and why."""
-    print(f"split {plan.split.describe()}"
-          + ("  (*: weight gradients computed later: an MLP's, and vocab *N: the LM head's of N rows, in the wait"
-             " for attention, an attention's in the MLP below)"
-             if plan.split.weight_grads_later or plan.split.attention_weight_grads_later or plan.split.vocab_rows_later
-             else ""))
-    print(f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)"
-          + ("" if plan.optimal else "; the best plan found within the solver's time cap, not proven optimal"))
+    print(
+        f"split {plan.split.describe()}"
+        + (
+            "  (*: weight gradients computed later: an MLP's, and vocab *N: the LM head's of N rows, in the wait"
+            " for attention, an attention's in the MLP below)"
+            if plan.split.weight_grads_later or plan.split.attention_weight_grads_later or plan.split.vocab_rows_later
+            else ""
+        )
+    )
+    print(
+        f"predicted step {plan.predicted_step_seconds:.3f} s (collectives {plan.collective_seconds:.3f} s)"
+        + ("" if plan.optimal else "; the best plan found within the solver's time cap, not proven optimal")
+    )
     print(f"predicted idle {plan.predicted_idle_ratio:.1%} (mean over devices of idle / step)")
-    print(f"{'device':<12} {'rank':>4} {'kv':>6} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'idle s':>6} {'memory MiB':>10}  note")
+    print(
+        f"{'device':<12} {'rank':>4} {'kv':>6} {'mlp':>6} {'vocab':>7} {'compute s':>9} {'idle s':>6} {'memory MiB':>10}  note"
+    )
     for d in plan.devices:
         rank = "-" if d.rank is None else d.rank
-        print(f"{d.device:<12} {rank:>4} {kv_label(d.kv_groups, d.kv_rows):>6} {d.mlp_columns:>6} {d.vocab_rows:>7} "
-              f"{d.compute_seconds:>9.3f} {d.idle_seconds:>6.3f} {d.memory_bytes / 2**20:>10.0f}  {d.reason or ''}")
+        print(
+            f"{d.device:<12} {rank:>4} {kv_label(d.kv_groups, d.kv_rows):>6} {d.mlp_columns:>6} {d.vocab_rows:>7} "
+            f"{d.compute_seconds:>9.3f} {d.idle_seconds:>6.3f} {d.memory_bytes / 2**20:>10.0f}  {d.reason or ''}"
+        )

@@ -86,7 +86,9 @@ def share_rows(attention: nn.Module, rows: tuple[int, int], batch: int) -> None:
     def before(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         if hidden.shape[0] != batch:
-            raise RuntimeError(f"this split computes rows {r0}:{r1} of micro-batches of {batch}, got {hidden.shape[0]} rows")
+            raise RuntimeError(
+                f"this split computes rows {r0}:{r1} of micro-batches of {batch}, got {hidden.shape[0]} rows"
+            )
         args = tuple(narrow(a) for a in args)
         kwargs = {k: narrow(v) for k, v in kwargs.items()}
         return args, kwargs

@@ -20,8 +20,8 @@ from torch import nn
 
 from edge_node.tp.layers import HeadlessAttention, RowParallelLinear, VocabParallelEmbedding, share_rows
 from edge_node.tp.mappings import copy_to_tp
-from edge_node.tp.weight_grads import RowsWeightGradLaterLinear, WeightGradLaterLinear
 from edge_node.tp.plan import LAYER_PLAN, ColumnParallel, param_slice, split_dim
+from edge_node.tp.weight_grads import RowsWeightGradLaterLinear, WeightGradLaterLinear
 from xronos.contract.errors import XronosError
 from xronos.contract.splits import ModelDims, ShardSplit
 
@@ -85,8 +85,11 @@ def parallelize(model: nn.Module, split: ShardSplit, rank: int) -> nn.Module:
 
     base.norm.register_forward_hook(_copy_output_to_tp("vocab_rows"))
     later = split.vocab_later(rank)
-    model.lm_head = (RowsWeightGradLaterLinear(dims.hidden_size, hi - lo, later, dims.num_layers, device=device)
-                     if later else nn.Linear(dims.hidden_size, hi - lo, bias=False, device=device))
+    model.lm_head = (
+        RowsWeightGradLaterLinear(dims.hidden_size, hi - lo, later, dims.num_layers, device=device)
+        if later
+        else nn.Linear(dims.hidden_size, hi - lo, bias=False, device=device)
+    )
     tie_vocab_shards(model)
     return model
 
@@ -98,4 +101,3 @@ def tie_vocab_shards(model: nn.Module) -> None:
     """
     if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-

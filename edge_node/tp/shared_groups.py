@@ -24,10 +24,14 @@ def _is_group_param(name: str, split: ShardSplit, dims: ModelDims) -> bool:
 
 def group_numel(shapes: dict[str, torch.Size], split: ShardSplit, dims: ModelDims) -> int:
     """Elements of one KV group's attention parameters, all layers together."""
-    return sum(shape.numel() // dims.num_kv_heads for name, shape in shapes.items() if _is_group_param(name, split, dims))
+    return sum(
+        shape.numel() // dims.num_kv_heads for name, shape in shapes.items() if _is_group_param(name, split, dims)
+    )
 
 
-def sum_shared_grads(model: nn.Module, split: ShardSplit, rank: int, shapes: dict[str, torch.Size], dims: ModelDims) -> None:
+def sum_shared_grads(
+    model: nn.Module, split: ShardSplit, rank: int, shapes: dict[str, torch.Size], dims: ModelDims
+) -> None:
     """Sum every shared group's gradients across its holders (every rank must call this)."""
     groups = split.shared_kv_groups
     if not groups:
@@ -37,10 +41,10 @@ def sum_shared_grads(model: nn.Module, split: ShardSplit, rank: int, shapes: dic
     (g0, _), rows = split.attention_shares()[rank]
     params = [p for name, p in model.named_parameters() if _is_group_param(name, split, dims)] if rows else []
     if params:
-        mine = buffer[groups.index(g0) * per:][:per]
+        mine = buffer[groups.index(g0) * per :][:per]
         torch.cat([p.grad.reshape(-1) for p in params], out=mine)
     all_reduce(buffer)
     offset = groups.index(g0) * per if params else 0
     for p in params:
-        p.grad.copy_(buffer[offset:offset + p.numel()].view_as(p.grad))
+        p.grad.copy_(buffer[offset : offset + p.numel()].view_as(p.grad))
         offset += p.numel()

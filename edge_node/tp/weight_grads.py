@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 SPREAD_BEFORE = "kv_groups"
 """The backward collectives that each run one spread piece first: the attention's, which a rank
 with less attention than the slowest waits in."""
@@ -125,8 +124,7 @@ class WeightGradLaterLinear(nn.Linear):
 
 def weight_grads_later(linear: nn.Linear) -> WeightGradLaterLinear:
     """`linear` (its parameters, not copies) with its weight gradient coming later."""
-    later = WeightGradLaterLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  device="meta")
+    later = WeightGradLaterLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
     later.weight, later.bias = linear.weight, linear.bias
     return later
 
@@ -162,6 +160,7 @@ class _LinearRowsWeightGradLater(torch.autograd.Function):
             @torch.no_grad()
             def product() -> None:
                 _accumulate_rows(param, start, g2[:, start:stop], x2)
+
             return product
 
         bounds = [round(later * k / ctx.pieces) for k in range(ctx.pieces + 1)]

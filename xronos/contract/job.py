@@ -30,17 +30,23 @@ class JobOptions(BaseModel):
     checkpoint_every: NonNegativeInt = Field(0, description="Checkpoint every N steps (0: only the final model).")
     resume: bool = Field(False, description="Continue from the newest checkpoint under `output`.")
     replan_after: NonNegativeInt = Field(
-        2, description="Mode xronos: check the split against the measured compute every this many timed steps "
-                       "and re-shard when that predicts 3% shorter steps (at most 8 checks and 3 re-shards, "
-                       "in the first half of the job; 0: never).")
-    micro_batches: PositiveInt | None = Field(None, description="Pipeline mode: micro-batches per step (default: batch_size).")
+        2,
+        description="Mode xronos: check the split against the measured compute every this many timed steps "
+        "and re-shard when that predicts 3% shorter steps (at most 8 checks and 3 re-shards, "
+        "in the first half of the job; 0: never).",
+    )
+    micro_batches: PositiveInt | None = Field(
+        None, description="Pipeline mode: micro-batches per step (default: batch_size)."
+    )
     collective: Collective = Field(
-        "auto", description="Modes tp and xronos: how the ranks all-reduce: `ring` (gloo's), `hub` (through the rank "
-                            "with the cheapest measured exchange; rank 0 without profiles), or `auto` (time both at the "
-                            "job's activation size before the first step and keep the faster).")
+        "auto",
+        description="Modes tp and xronos: how the ranks all-reduce: `ring` (gloo's), `hub` (through the rank "
+        "with the cheapest measured exchange; rank 0 without profiles), or `auto` (time both at the "
+        "job's activation size before the first step and keep the faster).",
+    )
 
     @model_validator(mode="after")
-    def _accumulation_divides_batch(self) -> "JobOptions":
+    def _accumulation_divides_batch(self) -> JobOptions:
         if self.batch_size % self.grad_accum:
             raise ValueError(f"--grad-accum {self.grad_accum} must divide --batch-size {self.batch_size}")
         return self

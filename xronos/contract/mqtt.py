@@ -16,9 +16,9 @@ import collections
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 import paho.mqtt.client as paho
@@ -67,8 +67,9 @@ def broker_address(settings: BrokerSettings) -> BrokerAddress:
         try:
             password = settings.password_file.read_text().rstrip("\r\n")
         except OSError as err:
-            raise XronosError(f"cannot read the password file {str(settings.password_file)!r}: "
-                              f"{err.strerror or err}") from None
+            raise XronosError(
+                f"cannot read the password file {str(settings.password_file)!r}: {err.strerror or err}"
+            ) from None
     password = password if password is not None else parts.password
     return BrokerAddress(parts.hostname, port, settings.username or parts.username, password)
 
@@ -80,11 +81,18 @@ Handler = Callable[[str, "wire._Message | None"], None]
 class Bus:
     """A connected paho client that speaks only the wire contract's messages."""
 
-    def __init__(self, settings: BrokerSettings, client_id: str, will: tuple[wire.Topic, str, object] | None = None,
-                 on_connect: Callable[[], None] | None = None, on_invalid: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        client_id: str,
+        will: tuple[wire.Topic, str, object] | None = None,
+        on_connect: Callable[[], None] | None = None,
+        on_invalid: Callable[[str, str], None] | None = None,
+    ):
         self.address = broker_address(settings)
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311,
-                                  clean_session=True)
+        self.client = paho.Client(
+            paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311, clean_session=True
+        )
         if self.address.username:
             self.client.username_pw_set(self.address.username, self.address.password)
         if will is not None:
@@ -104,7 +112,7 @@ class Bus:
         """Dropped messages by topic family (and 'handler' for handlers that raised)."""
 
     # -- lifecycle ------------------------------------------------------------------
-    def start(self, wait: float | None = 10.0) -> "Bus":
+    def start(self, wait: float | None = 10.0) -> Bus:
         """Connect in the background; with `wait`, fail with a clear error if the broker does not answer in time.
 
         Without `wait` (long-running processes) a missing broker is retried until it comes.
@@ -113,8 +121,9 @@ class Bus:
             try:
                 socket.create_connection((self.address.host, self.address.port), timeout=wait).close()
             except OSError as err:
-                raise XronosError(f"cannot connect to the broker at {self.address.host}:{self.address.port}: "
-                                  f"{err.strerror or err}") from None
+                raise XronosError(
+                    f"cannot connect to the broker at {self.address.host}:{self.address.port}: {err.strerror or err}"
+                ) from None
         self.client.connect_async(self.address.host, self.address.port, keepalive=10)
         self.client.loop_start()
         if wait is not None and not self.connected.wait(wait):
@@ -171,7 +180,9 @@ class Bus:
                 message = None if not msg.payload else topic.decode(msg.payload)
                 if found and not wire.valid_id(found):
                     raise wire.WireError(f"bad id in topic {msg.topic!r}")
-                own = getattr(message, "node_id", None) if "nodes/" in topic.pattern else getattr(message, "job_id", None)
+                own = (
+                    getattr(message, "node_id", None) if "nodes/" in topic.pattern else getattr(message, "job_id", None)
+                )
                 if message is not None and "{}" in topic.pattern and own != found:
                     raise wire.WireError(f"payload names {own!r} but was sent on {msg.topic!r}")
             except wire.WireError as err:

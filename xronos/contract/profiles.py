@@ -55,16 +55,29 @@ class DeviceProfile(BaseModel):
     mlp_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per layer, for holding any MLP columns at all.")
     vocab_fixed_seconds: NonNegativeFloat = Field(0.0, description="Per micro-step, for holding any vocabulary rows.")
     mlp_weight_grad_fraction: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Part of an MLP share's seconds (fixed + per block) spent on its "
-                                          "weight-gradient products, which a rank can compute later (0: unmeasured).")
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Part of an MLP share's seconds (fixed + per block) spent on its "
+        "weight-gradient products, which a rank can compute later (0: unmeasured).",
+    )
     attention_backward_fraction: float = Field(
-        0.0, ge=0.0, le=1.0, description="Part of an attention share's seconds spent in its backward pass.")
+        0.0, ge=0.0, le=1.0, description="Part of an attention share's seconds spent in its backward pass."
+    )
     attention_weight_grad_fraction: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Part of an attention share's seconds (fixed + per group) spent on "
-                                          "its weight-gradient products (0: unmeasured).")
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Part of an attention share's seconds (fixed + per group) spent on "
+        "its weight-gradient products (0: unmeasured).",
+    )
     vocab_weight_grad_fraction: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Part of a vocabulary block's seconds (the per-block cost) spent on its LM "
-                                          "head weight-gradient product, which a rank can compute later (0: unmeasured).")
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Part of a vocabulary block's seconds (the per-block cost) spent on its LM "
+        "head weight-gradient product, which a rank can compute later (0: unmeasured).",
+    )
     allreduce_latency_seconds: NonNegativeFloat
     allreduce_seconds_per_mib: NonNegativeFloat = Field(description="This device's CPU cost of an all-reduce, per MiB.")
     memory_bytes: PositiveInt = Field(description="Memory the device can give to the job.")
@@ -72,18 +85,35 @@ class DeviceProfile(BaseModel):
     profile_seconds: NonNegativeFloat = 0.0
 
 
-COMPUTE_FIELDS = ("kv_group_seconds", "mlp_block_seconds", "vocab_block_seconds", "layer_fixed_seconds",
-                  "step_fixed_seconds", "kv_fixed_seconds", "mlp_fixed_seconds", "vocab_fixed_seconds")
+COMPUTE_FIELDS = (
+    "kv_group_seconds",
+    "mlp_block_seconds",
+    "vocab_block_seconds",
+    "layer_fixed_seconds",
+    "step_fixed_seconds",
+    "kv_fixed_seconds",
+    "mlp_fixed_seconds",
+    "vocab_fixed_seconds",
+)
 """A profile's compute seconds (not its collective cost): what scales with the device's pace."""
-SEGMENT_FIELDS = {"kv_groups": ("kv_group_seconds", "kv_fixed_seconds"),
-                  "mlp_columns": ("mlp_block_seconds", "mlp_fixed_seconds"),
-                  "vocab_rows": ("vocab_block_seconds", "vocab_fixed_seconds", "step_fixed_seconds")}
+SEGMENT_FIELDS = {
+    "kv_groups": ("kv_group_seconds", "kv_fixed_seconds"),
+    "mlp_columns": ("mlp_block_seconds", "mlp_fixed_seconds"),
+    "vocab_rows": ("vocab_block_seconds", "vocab_fixed_seconds", "step_fixed_seconds"),
+}
 """By split dimension, the compute seconds of its segment that a share changes (a job measures each
 segment apart; the layer norms, split between a layer's two segments, stay with the whole)."""
 
 
-REFERENCE_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
-                        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+REFERENCE_CONFIG = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=1,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+)
 """A node's start-up profile is measured on one SmolLM2-135M layer (a Llama config with these
 sizes) at REFERENCE_BATCH x REFERENCE_SEQ tokens: a quick look at each device's speed before any job."""
 REFERENCE_BATCH, REFERENCE_SEQ = 1, 64
@@ -115,7 +145,9 @@ def weight_grad_costs(p: DeviceProfile) -> tuple[Segment, Segment]:
     """(MLP per layer, vocabulary per step): the weight-gradient products of a share, in MLP and
     vocabulary blocks, as a Segment with no floor (a rank holding none computes none)."""
     mlp, f = unit_costs(p)[1], p.mlp_weight_grad_fraction
-    return Segment(0.0, f * mlp.fixed, f * mlp.per_unit), Segment(0.0, 0.0, p.vocab_weight_grad_fraction * p.vocab_block_seconds)
+    return Segment(0.0, f * mlp.fixed, f * mlp.per_unit), Segment(
+        0.0, 0.0, p.vocab_weight_grad_fraction * p.vocab_block_seconds
+    )
 
 
 def weight_grad_seconds(p: DeviceProfile, blocks: float) -> float:

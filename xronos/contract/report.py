@@ -59,8 +59,11 @@ class CollectiveChoice(BaseModel):
         return self.algorithm if self.hub_rank is None else f"hub@{self.hub_rank}"
 
     def describe(self) -> str:
-        measured = (f" (auto: ring {self.ring_seconds * 1e3:.1f} ms, hub {self.hub_seconds * 1e3:.1f} ms per activation)"
-                    if self.ring_seconds is not None and self.hub_seconds is not None else "")
+        measured = (
+            f" (auto: ring {self.ring_seconds * 1e3:.1f} ms, hub {self.hub_seconds * 1e3:.1f} ms per activation)"
+            if self.ring_seconds is not None and self.hub_seconds is not None
+            else ""
+        )
         return f"all-reduce {'by the ring' if self.hub_rank is None else f'through rank {self.hub_rank}'}{measured}"
 
 
@@ -200,7 +203,11 @@ def _pipeline_shares(stages: list[tuple[int, int]], dims: ModelDims) -> list[tup
     """What a stage holds, in TP terms: all groups and columns of its layers; the head holds the vocabulary."""
     last = len(stages) - 1
     return [
-        (dims.num_kv_heads if hi > lo else 0, dims.intermediate_size if hi > lo else 0, dims.vocab_size if r == last else 0)
+        (
+            dims.num_kv_heads if hi > lo else 0,
+            dims.intermediate_size if hi > lo else 0,
+            dims.vocab_size if r == last else 0,
+        )
         for r, (lo, hi) in enumerate(stages)
     ]
 
@@ -236,7 +243,9 @@ def build_report(
     compute = [[r.step_seconds[k] - r.comm_seconds[k] for k in range(n)] for r in results]
     idle_by_step = {k: idle_seconds([c[k] for c in compute]) for k in steps}
     timed_segments = all(len(r.segment_seconds) == n for r in results) and len(results) > 1
-    waits = {k: segment_wait_seconds([r.segment_seconds[k] for r in results]) for k in steps} if timed_segments else None
+    waits = (
+        {k: segment_wait_seconds([r.segment_seconds[k] for r in results]) for k in steps} if timed_segments else None
+    )
     nodes = []
     for rank, (r, c) in enumerate(zip(results, compute)):
         idle = [idle_by_step[k][rank] for k in steps]

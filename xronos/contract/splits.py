@@ -65,14 +65,13 @@ class ModelDims(BaseModel):
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_config(cls, config) -> "ModelDims":
+    def from_config(cls, config) -> ModelDims:
         """Read the sizes from a Hugging Face config (Llama, Mistral, Qwen2 layout)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         if config.num_attention_heads % num_kv:
             raise XronosError(
-                f"num_attention_heads={config.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={num_kv}"
+                f"num_attention_heads={config.num_attention_heads} is not a multiple of num_key_value_heads={num_kv}"
             )
         return cls(
             hidden_size=config.hidden_size,
@@ -86,8 +85,11 @@ class ModelDims(BaseModel):
         )
 
 
-WEIGHT_GRADS_LATER = {"mlp_columns": "weight_grads_later", "kv_groups": "attention_weight_grads_later",
-                      "vocab_rows": "vocab_rows_later"}
+WEIGHT_GRADS_LATER = {
+    "mlp_columns": "weight_grads_later",
+    "kv_groups": "attention_weight_grads_later",
+    "vocab_rows": "vocab_rows_later",
+}
 """The split dimensions whose weight-gradient products a rank may compute later, and the field that
 marks those ranks (see `edge_node.tp.weight_grads`; for the vocabulary, how many of its rows')."""
 
@@ -116,10 +118,14 @@ class ShardSplit(BaseModel):
     attention of other ranks (`edge_node.tp.weight_grads`); None: on no rank."""
 
     @model_validator(mode="after")
-    def _same_world(self) -> "ShardSplit":
+    def _same_world(self) -> ShardSplit:
         sizes = {len(self.kv_groups), len(self.mlp_columns), len(self.vocab_rows)}
-        for per_rank in (self.kv_rows, self.weight_grads_later, self.attention_weight_grads_later,
-                         self.vocab_rows_later):
+        for per_rank in (
+            self.kv_rows,
+            self.weight_grads_later,
+            self.attention_weight_grads_later,
+            self.vocab_rows_later,
+        ):
             if per_rank is not None:
                 sizes.add(len(per_rank))
         if len(sizes) != 1 or 0 in sizes:
@@ -159,8 +165,7 @@ class ShardSplit(BaseModel):
                 continue
             r0, r1 = rows
             if self.kv_groups[r] != 1 or r0 != open_end or r1 <= r0:
-                raise XronosError(
-                    f"rank {r}'s rows {r0}:{r1} must be one KV group's next rows (from row {open_end})")
+                raise XronosError(f"rank {r}'s rows {r0}:{r1} must be one KV group's next rows (from row {open_end})")
             shares.append(((pos, pos + 1), (r0, r1)))
             open_end = 0 if r1 == last else r1
             pos += 1 if r1 == last else 0
@@ -177,8 +182,10 @@ class ShardSplit(BaseModel):
         """Per rank (KV groups' worth of attention work, MLP columns, vocabulary rows):
         a row share counts as its fraction of a group's rows."""
         last = self.micro_batch_rows
-        kv = [g if rows is None else (rows[1] - rows[0]) / last for g, rows in
-              zip(self.kv_groups, self.kv_rows or [None] * self.world_size)]
+        kv = [
+            g if rows is None else (rows[1] - rows[0]) / last
+            for g, rows in zip(self.kv_groups, self.kv_rows or [None] * self.world_size)
+        ]
         return list(zip(kv, self.mlp_columns, self.vocab_rows))
 
     @property
@@ -187,7 +194,7 @@ class ShardSplit(BaseModel):
         shares = self.attention_shares()
         return shares[-1][0][1] if shares else 0
 
-    def check(self, dims: ModelDims) -> "ShardSplit":
+    def check(self, dims: ModelDims) -> ShardSplit:
         """Raise a readable XronosError unless every dimension sums to the model's size."""
         for name, parts, total in (
             ("kv_groups", self.kv_groups if self.kv_rows is None else [self.kv_group_total], dims.num_kv_heads),
@@ -229,11 +236,12 @@ class ShardSplit(BaseModel):
         star = lambda dim, rank: "*" if self.rank_computes_weight_grads_later(dim, rank) else ""  # noqa: E731
         kv = [kv_label(g, r) + star("kv_groups", rank) for rank, (g, r) in enumerate(zip(self.kv_groups, rows))]
         mlp = [f"{c}{star('mlp_columns', rank)}" for rank, c in enumerate(self.mlp_columns)]
-        vocab = [f"{c}*{self.vocab_later(rank)}" if self.vocab_later(rank) else f"{c}"
-                 for rank, c in enumerate(self.vocab_rows)]
+        vocab = [
+            f"{c}*{self.vocab_later(rank)}" if self.vocab_later(rank) else f"{c}"
+            for rank, c in enumerate(self.vocab_rows)
+        ]
         return " · ".join(
-            f"{label} {'/'.join(map(str, parts))}"
-            for label, parts in (("kv", kv), ("mlp", mlp), ("vocab", vocab))
+            f"{label} {'/'.join(map(str, parts))}" for label, parts in (("kv", kv), ("mlp", mlp), ("vocab", vocab))
         )
 
 
@@ -259,16 +267,14 @@ def parse_split(text: str) -> dict[str, list]:
                 out[WEIGHT_GRADS_LATER[dim]] = [int(v.partition("*")[2]) if "*" in v else 0 for v in values.split("/")]
             except ValueError:
                 raise ValueError(
-                    f"item {item!r}: a vocabulary size's mark is *ROWS (rows whose weight "
-                    "gradients come later)") from None
+                    f"item {item!r}: a vocabulary size's mark is *ROWS (rows whose weight gradients come later)"
+                ) from None
             values = "/".join(v.partition("*")[0] for v in values.split("/"))
         elif "*" in item:
             out[WEIGHT_GRADS_LATER[dim]] = [v.endswith("*") for v in values.split("/")]
         values = values.replace("*", "")
         if key.strip() not in SPLIT_KEYS or not values:
-            raise ValueError(
-                f"item {item!r}: use kv=A/B/..., mlp=A/B/..., vocab=A/B/... separated by commas"
-            )
+            raise ValueError(f"item {item!r}: use kv=A/B/..., mlp=A/B/..., vocab=A/B/... separated by commas")
         try:
             out[SPLIT_KEYS[key.strip()]] = [int(v) for v in values.split("/")]
         except ValueError:

@@ -66,8 +66,12 @@ class ProfileMessage(_Message):
     node_id: Id
     profile: DeviceProfile
     job_id: Id | None = Field(None, description="The job whose shapes were measured (None: the start-up profile).")
-    dims: ModelDims | None = Field(None, description="The job's model sizes, read by the node from its copy of the model.")
-    rendezvous_port: int | None = Field(None, ge=1, le=65535, description="A free port for the job's rendezvous, if rank 0.")
+    dims: ModelDims | None = Field(
+        None, description="The job's model sizes, read by the node from its copy of the model."
+    )
+    rendezvous_port: int | None = Field(
+        None, ge=1, le=65535, description="A free port for the job's rendezvous, if rank 0."
+    )
 
 
 class Assignment(_Message):
@@ -91,7 +95,7 @@ class Assignment(_Message):
     profiles: list[DeviceProfile] | None = None
 
     @model_validator(mode="after")
-    def _complete(self) -> "Assignment":
+    def _complete(self) -> Assignment:
         if self.phase == "train" and self.rank is not None:
             if None in (self.world_size, self.master_addr, self.master_port):
                 raise ValueError("a training assignment needs world_size, master_addr and master_port")
@@ -174,7 +178,7 @@ class Topic(Generic[M]):
         prefix, suffix = f"{ROOT}/{head}", tail
         if not (topic.startswith(prefix) and topic.endswith(suffix)) or len(topic) <= len(prefix) + len(suffix):
             return None
-        ident = topic[len(prefix): len(topic) - len(suffix)] if suffix else topic[len(prefix):]
+        ident = topic[len(prefix) : len(topic) - len(suffix)] if suffix else topic[len(prefix) :]
         return ident if "/" not in ident else None
 
     def decode(self, payload: bytes) -> M:
@@ -210,7 +214,10 @@ def json_schemas() -> dict[str, dict]:
     for topic in TOPICS:
         schema = topic.model.model_json_schema()
         out[f"{topic.model.__name__}.json"] = {
-            "$schema": "https://json-schema.org/draft/2020-12/schema", **schema,
-            "x-xronos-topic": topic.subscription(), "x-xronos-qos": topic.qos, "x-xronos-retain": topic.retain,
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            **schema,
+            "x-xronos-topic": topic.subscription(),
+            "x-xronos-qos": topic.qos,
+            "x-xronos-retain": topic.retain,
         }
     return out

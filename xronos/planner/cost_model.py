@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
-from xronos.contract.profiles import (DeviceProfile, attention_backward_seconds, attention_weight_grad_seconds, unit_costs,
-                             vocab_weight_grad_seconds, weight_grad_seconds)
+from xronos.contract.profiles import (
+    DeviceProfile,
+    attention_backward_seconds,
+    attention_weight_grad_seconds,
+    unit_costs,
+    vocab_weight_grad_seconds,
+    weight_grad_seconds,
+)
 from xronos.contract.splits import ModelDims, ShardSplit
 
 BYTES_PER_PARAM = 16
@@ -57,15 +62,22 @@ def shared_grad_seconds(p: DeviceProfile, dims: ModelDims, groups: int) -> float
 def segments(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: float, vocab_rows: float):
     """This device's (attention, MLP, vocabulary) segment seconds for a share."""
     attn, mlp, vocab = unit_costs(p)
-    return attn.seconds(kv_groups), mlp.seconds(mlp_columns / dims.mlp_block), vocab.seconds(vocab_rows / dims.vocab_block)
+    return (
+        attn.seconds(kv_groups),
+        mlp.seconds(mlp_columns / dims.mlp_block),
+        vocab.seconds(vocab_rows / dims.vocab_block),
+    )
 
 
-def later_products(p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float], mlp_later: bool,
-                   attention_later: bool) -> tuple[float, float]:
+def later_products(
+    p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float], mlp_later: bool, attention_later: bool
+) -> tuple[float, float]:
     """Per layer, for a device holding `share`: the seconds of MLP weight-gradient products it moves into
     its attention's backward span, and of attention products it defers to the MLP segment below."""
-    return (weight_grad_seconds(p, share[1] / dims.mlp_block) if mlp_later else 0.0,
-            attention_weight_grad_seconds(p, share[0]) if attention_later else 0.0)
+    return (
+        weight_grad_seconds(p, share[1] / dims.mlp_block) if mlp_later else 0.0,
+        attention_weight_grad_seconds(p, share[0]) if attention_later else 0.0,
+    )
 
 
 def device_compute(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: float, vocab_rows: float) -> float:
@@ -79,9 +91,15 @@ def vocab_later_seconds(p: DeviceProfile, dims: ModelDims, rows: int) -> float:
     return vocab_weight_grad_seconds(p, rows / dims.vocab_block) if rows else 0.0
 
 
-def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tuple[float, float, float]],
-                 shared_groups: int = 0, later: list[bool] | None = None,
-                 attention_later: list[bool] | None = None, vocab_later: list[int] | None = None) -> float:
+def step_seconds(
+    profiles: list[DeviceProfile],
+    dims: ModelDims,
+    shares: list[tuple[float, float, float]],
+    shared_groups: int = 0,
+    later: list[bool] | None = None,
+    attention_later: list[bool] | None = None,
+    vocab_later: list[int] | None = None,
+) -> float:
     """Predicted step of participants `profiles` holding `shares` (kv groups, MLP columns, vocabulary rows),
     with `shared_groups` KV groups shared by rows, the ranks flagged in `later` computing their
     MLP's weight gradients in the attention backward's span (what does not fit lengthens it),
@@ -89,9 +107,12 @@ def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tu
     `vocab_later` rows of each rank's vocabulary computing theirs in the attention backward's spans,
     a layer's worth in each."""
     segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
-    moved, deferred = zip(*(later_products(p, dims, share, bool(later and later[i]),
-                                           bool(attention_later and attention_later[i]))
-                            for i, (p, share) in enumerate(zip(profiles, shares))))
+    moved, deferred = zip(
+        *(
+            later_products(p, dims, share, bool(later and later[i]), bool(attention_later and attention_later[i]))
+            for i, (p, share) in enumerate(zip(profiles, shares))
+        )
+    )
     spread = [vocab_later_seconds(p, dims, vocab_later[i] if vocab_later else 0) for i, p in enumerate(profiles)]
     backs = [attention_backward_seconds(p, share[0]) - d for p, share, d in zip(profiles, shares, deferred)]
     overflow = max(b + w + x / dims.num_layers for b, w, x in zip(backs, moved, spread)) - max(backs)
@@ -104,8 +125,15 @@ def step_seconds(profiles: list[DeviceProfile], dims: ModelDims, shares: list[tu
 
 def split_step_seconds(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit) -> float:
     """Predicted step of participants `profiles` (rank order) holding `split`."""
-    return step_seconds(profiles, dims, split.shares(), len(split.shared_kv_groups), split.weight_grads_later,
-                        split.attention_weight_grads_later, split.vocab_rows_later)
+    return step_seconds(
+        profiles,
+        dims,
+        split.shares(),
+        len(split.shared_kv_groups),
+        split.weight_grads_later,
+        split.attention_weight_grads_later,
+        split.vocab_rows_later,
+    )
 
 
 def unit_bytes(dims: ModelDims, micro_batch: int, seq_len: int) -> tuple[float, float, float, float]:
@@ -142,9 +170,12 @@ class Later(NamedTuple):
     attention: list[bool]
     vocab: list[int] | None = None
 
-    def select(self, members: list[int]) -> "Later":
-        return Later([self.mlp[i] for i in members], [self.attention[i] for i in members],
-                     [self.vocab[i] for i in members] if self.vocab else None)
+    def select(self, members: list[int]) -> Later:
+        return Later(
+            [self.mlp[i] for i in members],
+            [self.attention[i] for i in members],
+            [self.vocab[i] for i in members] if self.vocab else None,
+        )
 
 
 def to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: Later | None = None) -> ShardSplit:
@@ -157,12 +188,20 @@ def to_split(dims: ModelDims, g: list, m: list[int], v: list[int], later: Later 
     mlp[max(range(len(m)), key=lambda i: (m[i], -i))] += dims.intermediate_size - sum(mlp)
     vocab[max(range(len(v)), key=lambda i: (v[i], -i))] += dims.vocab_size - sum(vocab)
     rows = [r for _, r in g] if any(r is not None for _, r in g) else None
-    vocab_later = ([min(b * dims.vocab_block, rows_i) for b, rows_i in zip(later.vocab, vocab)]
-                   if later and later.vocab and any(later.vocab) else None)
-    return ShardSplit(kv_groups=[k for k, _ in g], kv_rows=rows, mlp_columns=mlp, vocab_rows=vocab,
-                      weight_grads_later=list(later.mlp) if later and any(later.mlp) else None,
-                      attention_weight_grads_later=list(later.attention) if later and any(later.attention) else None,
-                      vocab_rows_later=vocab_later).check(dims)
+    vocab_later = (
+        [min(b * dims.vocab_block, rows_i) for b, rows_i in zip(later.vocab, vocab)]
+        if later and later.vocab and any(later.vocab)
+        else None
+    )
+    return ShardSplit(
+        kv_groups=[k for k, _ in g],
+        kv_rows=rows,
+        mlp_columns=mlp,
+        vocab_rows=vocab,
+        weight_grads_later=list(later.mlp) if later and any(later.mlp) else None,
+        attention_weight_grads_later=list(later.attention) if later and any(later.attention) else None,
+        vocab_rows_later=vocab_later,
+    ).check(dims)
 
 
 # -- the solver ----------------------------------------------------------------------

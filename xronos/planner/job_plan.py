@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from xronos.planner.cost_model import device_compute, split_step_seconds
-from xronos.planner.partitioner import plan_partition
-from xronos.planner.pipeline_plan import plan_pipeline
-from xronos.planner.planning import even_split, split_for_mode
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import ExcludedDevice, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims, ShardSplit
+from xronos.planner.cost_model import device_compute, split_step_seconds
+from xronos.planner.partitioner import plan_partition
+from xronos.planner.pipeline_plan import plan_pipeline
+from xronos.planner.planning import even_split, split_for_mode
 
 
 class JobPlan(BaseModel):
@@ -58,8 +58,10 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
         plan = plan_pipeline(profiles, dims, job.batch_size, job.micro_batches or job.batch_size)
         ranks = [plan.devices.index(d) if d in plan.devices else None for d in range(n)]
         return JobPlan(
-            ranks=ranks, reasons=[None if r is not None else "a faster pipeline leaves it out" for r in ranks],
-            stages=plan.stages, micro_batches=plan.micro_batches,
+            ranks=ranks,
+            reasons=[None if r is not None else "a faster pipeline leaves it out" for r in ranks],
+            stages=plan.stages,
+            micro_batches=plan.micro_batches,
             predicted=[s * plan.micro_batches for s in plan.stage_seconds],
             predicted_step_seconds=plan.predicted_step_seconds,
         )
@@ -68,39 +70,71 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
         ranks = [d.rank for d in plan.devices]
         members = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
         return JobPlan(
-            ranks=ranks, reasons=[c.reason for c in plan.devices], split=plan.split,
+            ranks=ranks,
+            reasons=[c.reason for c in plan.devices],
+            split=plan.split,
             profiles=[profiles[d] for d in members],
             predicted=[plan.devices[d].compute_seconds * job.grad_accum for d in members],
-            predicted_step_seconds=plan.predicted_step_seconds * job.grad_accum, optimal=plan.optimal,
+            predicted_step_seconds=plan.predicted_step_seconds * job.grad_accum,
+            optimal=plan.optimal,
             predicted_idle_ratio=plan.predicted_idle_ratio,
         )
     if job.mode == "single" and n != 1:
         raise XronosError(f"mode single trains on one device, not {n}")
     split = split_for_mode("single", dims, 1, None) if job.mode == "single" else even_split(dims, n)
     return JobPlan(
-        ranks=list(range(n)), reasons=[None] * n, split=split,
+        ranks=list(range(n)),
+        reasons=[None] * n,
+        split=split,
         predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, split.shares())],
         predicted_step_seconds=split_step_seconds(profiles, dims, split) * job.grad_accum,
     )
 
 
-def planned_report(job: JobOptions, dims: ModelDims, plan: JobPlan, profiles: list[DeviceProfile],
-                   speeds: list[float | None], results: list[RankResult]) -> RunReport:
+def planned_report(
+    job: JobOptions,
+    dims: ModelDims,
+    plan: JobPlan,
+    profiles: list[DeviceProfile],
+    speeds: list[float | None],
+    results: list[RankResult],
+) -> RunReport:
     """The report of a job that ran `plan` (both front ends: `xronos run` and the controller): what the
     ranks measured (`results`, rank order), with what the plan predicted and who it left out.
     `profiles` and `speeds` are per device, in the order the plan was made."""
-    report = build_report(job.mode, plan.split, [speeds[d] for d in plan.members], results, plan.members,
-                          plan.predicted, stages=plan.stages, dims=dims)
+    report = build_report(
+        job.mode,
+        plan.split,
+        [speeds[d] for d in plan.members],
+        results,
+        plan.members,
+        plan.predicted,
+        stages=plan.stages,
+        dims=dims,
+    )
     return with_predictions(report, job, dims, plan, profiles, speeds)
 
 
-def with_predictions(report: RunReport, job: JobOptions, dims: ModelDims, plan: JobPlan,
-                     profiles: list[DeviceProfile], speeds: list[float | None]) -> RunReport:
+def with_predictions(
+    report: RunReport,
+    job: JobOptions,
+    dims: ModelDims,
+    plan: JobPlan,
+    profiles: list[DeviceProfile],
+    speeds: list[float | None],
+) -> RunReport:
     """Add the plan's predictions (for the split the job ended with) and the left-out devices to a report."""
-    excluded = [ExcludedDevice(device=d, speed=speeds[d], reason=plan.reasons[d] or "left out")
-                for d, r in enumerate(plan.ranks) if r is None]
-    update: dict = {"excluded": excluded, "predicted_step_seconds": plan.predicted_step_seconds,
-                    "predicted_idle_ratio": plan.predicted_idle_ratio, "profiles": profiles}
+    excluded = [
+        ExcludedDevice(device=d, speed=speeds[d], reason=plan.reasons[d] or "left out")
+        for d, r in enumerate(plan.ranks)
+        if r is None
+    ]
+    update: dict = {
+        "excluded": excluded,
+        "predicted_step_seconds": plan.predicted_step_seconds,
+        "predicted_idle_ratio": plan.predicted_idle_ratio,
+        "profiles": profiles,
+    }
     if report.split is not None and job.mode != "pp":
         members = [profiles[d] for d in plan.members]
         update["predicted_step_seconds"] = split_step_seconds(members, dims, report.split) * job.grad_accum

@@ -13,12 +13,19 @@ import heapq
 import itertools
 from typing import NamedTuple
 
-
-from xronos.contract.profiles import (DeviceProfile, Segment, attention_backward_seconds, attention_weight_grad_seconds,
-                             unit_costs, weight_grad_costs, vocab_weight_grad_seconds)
+from xronos.contract.profiles import (
+    DeviceProfile,
+    Segment,
+    attention_backward_seconds,
+    attention_weight_grad_seconds,
+    unit_costs,
+    vocab_weight_grad_seconds,
+    weight_grad_costs,
+)
 from xronos.contract.report import mean_idle_ratio
 from xronos.contract.splits import ModelDims, ShardSplit
 from xronos.planner.cost_model import Later, device_compute, dim_units, to_split
+
 
 def water_fill(costs: list[Segment], units: int) -> tuple[float, list[int]]:
     """Exact integer min-max: give `units` one at a time to the device that would finish first.
@@ -42,8 +49,9 @@ Share = tuple[int, tuple[int, int] | None]
 """One rank's attention: (KV groups, None) or (1, (r0, r1)): rows r0..r1 of a shared group."""
 
 
-def attention_layout(costs: list[Segment], groups: int, rows: int, layers: int,
-                     share_seconds: float, bound: float = float("inf")) -> tuple[float, list[Share]]:
+def attention_layout(
+    costs: list[Segment], groups: int, rows: int, layers: int, share_seconds: float, bound: float = float("inf")
+) -> tuple[float, list[Share]]:
     """The exact best attention split in rank order: whole groups, or rows of a shared group.
 
     Minimises layers * (slowest rank's attention seconds) + share_seconds * (groups shared).
@@ -67,8 +75,10 @@ def attention_layout(costs: list[Segment], groups: int, rows: int, layers: int,
             if g < groups:
                 moves += [(r / rows, (g, r), 1, (1, (0, r))) for r in range(1, rows)]
         else:
-            moves += [(r / rows, (g + 1, 0) if taken + r == rows else (g, taken + r), 0,
-                       (1, (taken, taken + r))) for r in range(1, rows - taken + 1)]
+            moves += [
+                (r / rows, (g + 1, 0) if taken + r == rows else (g, taken + r), 0, (1, (taken, taken + r)))
+                for r in range(1, rows - taken + 1)
+            ]
         found = []
         for units, state, new_share, share in moves:
             mine = costs[i].seconds(units)
@@ -123,7 +133,7 @@ class MlpCost(NamedTuple):
     extra: float = 0.0
 
     @classmethod
-    def of(cls, p: DeviceProfile, room: float, extra: float = 0.0) -> "MlpCost":
+    def of(cls, p: DeviceProfile, room: float, extra: float = 0.0) -> MlpCost:
         return cls(unit_costs(p)[1], weight_grad_costs(p)[0], room, extra)
 
     def moved(self, units: float) -> float:
@@ -135,8 +145,9 @@ class MlpCost(NamedTuple):
         return self.mlp.seconds(units) - self.moved(units) + self.extra
 
 
-def mlp_costs(profiles: list[DeviceProfile], attention_units: list[float] | None,
-               deferred: list[float] | None = None) -> list[MlpCost]:
+def mlp_costs(
+    profiles: list[DeviceProfile], attention_units: list[float] | None, deferred: list[float] | None = None
+) -> list[MlpCost]:
     """Each device's MLP cost beside these attention shares, of which each device defers `deferred`
     seconds of weight-gradient products to its MLP segment (None: room without limit, a lower bound)."""
     if attention_units is None:
@@ -165,7 +176,7 @@ class VocabCost(NamedTuple):
     cap: int
 
     @classmethod
-    def of(cls, p: DeviceProfile, cap: int) -> "VocabCost":
+    def of(cls, p: DeviceProfile, cap: int) -> VocabCost:
         return cls(unit_costs(p)[2], weight_grad_costs(p)[1], cap)
 
     def later(self, units: float) -> int:
@@ -186,7 +197,11 @@ def vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, rooms: list[flo
         if rooms is None:
             fits = blocks
         else:
-            fits = min(blocks, int(dims.num_layers * rooms[i] / per_block * (1 + 1e-12))) if per_block > 0 and rooms[i] > 0 else 0
+            fits = (
+                min(blocks, int(dims.num_layers * rooms[i] / per_block * (1 + 1e-12)))
+                if per_block > 0 and rooms[i] > 0
+                else 0
+            )
         costs.append(VocabCost.of(p, fits))
     tv, v = water_fill(costs, blocks)
     taken = [c.later(u) for c, u in zip(costs, v)]
@@ -301,7 +316,9 @@ def least_idle(profiles: list[DeviceProfile], dims: ModelDims, options: list[tup
 
     def idle(option) -> float:
         step, g, m, v, later = option
-        compute = [device_compute(p, dims, *share) for p, share in zip(profiles, to_split(dims, g, m, v, later).shares())]
+        compute = [
+            device_compute(p, dims, *share) for p, share in zip(profiles, to_split(dims, g, m, v, later).shares())
+        ]
         return mean_idle_ratio(compute, step)
 
     return min(near, key=lambda o: (round(idle(o), 9), o[0]))

@@ -15,11 +15,32 @@ from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.contract.errors import XronosError
-from xronos.contract.profiles import (DeviceProfile, Segment, attention_kept, unit_costs)
+from xronos.contract.profiles import DeviceProfile, Segment, attention_kept, unit_costs
 from xronos.contract.report import idle_seconds, mean_idle_ratio
 from xronos.contract.splits import ModelDims, ShardSplit
-from xronos.planner.cost_model import Later, collective_seconds, device_compute, dim_units, shared_grad_seconds, split_step_seconds, to_split, unit_bytes
-from xronos.planner.layouts import IDLE_TOLERANCE, ROW_SHARE_MIN_GAIN, attention_candidates, attention_layout, beside_attention, least_idle, mlp_costs, mlp_split, vocab_beside, water_fill
+from xronos.planner.cost_model import (
+    Later,
+    collective_seconds,
+    device_compute,
+    dim_units,
+    shared_grad_seconds,
+    split_step_seconds,
+    to_split,
+    unit_bytes,
+)
+from xronos.planner.layouts import (
+    IDLE_TOLERANCE,
+    ROW_SHARE_MIN_GAIN,
+    attention_candidates,
+    attention_layout,
+    beside_attention,
+    least_idle,
+    mlp_costs,
+    mlp_split,
+    vocab_beside,
+    water_fill,
+)
+
 
 class DeviceCost(BaseModel):
     """Predicted seconds and bytes of one device for a given share."""
@@ -93,14 +114,22 @@ def solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], 
             add({T[s]: 1, x: -seg.per_unit, used: -seg.fixed}, seg.floor, np.inf)  # T >= this device's seconds
             add({x: 1, used: -total}, -np.inf, 0)  # units only where the fixed cost is paid
         gib = 2.0**30  # in GiB: rows of similar magnitude keep HiGHS fast
-        add({i: kv_b / gib, k + i: mlp_b / gib, 2 * k + i: vocab_b / gib}, -np.inf,
-            (profiles[members[i]].memory_bytes - fixed_b) / gib)
+        add(
+            {i: kv_b / gib, k + i: mlp_b / gib, 2 * k + i: vocab_b / gib},
+            -np.inf,
+            (profiles[members[i]].memory_bytes - fixed_b) / gib,
+        )
     objective = np.zeros(n_vars)
     objective[T] = [layers, layers, 1]
     integrality = np.r_[np.zeros(6 * k) if relax else np.ones(6 * k), np.zeros(3)]
     upper = np.r_[np.repeat(units, k), np.ones(3 * k), [np.inf] * 3]
-    res = milp(objective, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(n_vars), upper), options=MILP_OPTIONS)
+    res = milp(
+        objective,
+        constraints=LinearConstraint(np.array(rows), lo, hi),
+        integrality=integrality,
+        bounds=Bounds(np.zeros(n_vars), upper),
+        options=MILP_OPTIONS,
+    )
     if res.x is None:
         return None
     x = np.round(res.x[: 3 * k]).astype(int).tolist()
@@ -108,8 +137,9 @@ def solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], 
     return res.fun + coll, coll, [(g, None) for g in x[:k]], x[k : 2 * k], x[2 * k :], None, res.status == 0
 
 
-def solve_members(profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False,
-                   tolerance: float = 0.0):
+def solve_members(
+    profiles, dims, members: list[int], rows: int = 1, whole_groups: bool = False, tolerance: float = 0.0
+):
     """The best split among exactly `members` (no memory limits), for micro-batches of `rows` rows:
     the vocabulary segment water-filled, the attention laid out by `attention_layout` (or
     water-filled in whole groups, and then only a lower bound when `rows` > 1), and the MLP
@@ -181,8 +211,12 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
     enumerate those closures (duplicates removed; few when costs grow with slowness).
     For each distinct closure in the first two keys, the closures in the third are its
     prefixes in that key's order, so 64 devices take milliseconds."""
-    keys = np.array([(attn.floor, vocab.floor, collective_seconds(p, dims))
-                     for p, (attn, _, vocab) in zip(profiles, map(unit_costs, profiles))])
+    keys = np.array(
+        [
+            (attn.floor, vocab.floor, collective_seconds(p, dims))
+            for p, (attn, _, vocab) in zip(profiles, map(unit_costs, profiles))
+        ]
+    )
     found, seen = {}, set()
     for a in np.unique(keys[:, 0]):
         for b in np.unique(keys[:, 1]):
@@ -202,12 +236,15 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
 
 def fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v) -> bool:
     fixed, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len)
-    return all(fixed + g[k][0] * kv_b + m[k] * mlp_b + v[k] * vocab_b <= profiles[i].memory_bytes
-               for k, i in enumerate(members))
+    return all(
+        fixed + g[k][0] * kv_b + m[k] * mlp_b + v[k] * vocab_b <= profiles[i].memory_bytes
+        for k, i in enumerate(members)
+    )
 
 
-def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: int, seq_len: int,
-                   tolerance: float = IDLE_TOLERANCE) -> Plan:
+def plan_partition(
+    profiles: list[DeviceProfile], dims: ModelDims, micro_batch: int, seq_len: int, tolerance: float = IDLE_TOLERANCE
+) -> Plan:
     """The exact min-step plan over all devices (some may be left out, with a reason), or with
     `tolerance` its least idle attention layout within that of the shortest (`least_idle`).
 
@@ -222,8 +259,13 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     # the memory-free optimum of a set bounds its memory-bound one from below: solve the
     # sets in order of a lower bound of that (fractional attention when groups may be
     # shared by rows) and stop once it cannot beat the best (branch and bound)
-    bounds = sorted(((solve_members(profiles, dims, members, micro_batch, whole_groups=True)[0], members)
-                     for members in _closed_sets(profiles, dims)), key=lambda bm: bm[0])
+    bounds = sorted(
+        (
+            (solve_members(profiles, dims, members, micro_batch, whole_groups=True)[0], members)
+            for members in _closed_sets(profiles, dims)
+        ),
+        key=lambda bm: bm[0],
+    )
     optimal, started = True, time.perf_counter()
     for lower, members in bounds:
         if best is not None and lower >= best[0] - 1e-12:
@@ -250,16 +292,32 @@ def plan_partition(profiles: list[DeviceProfile], dims: ModelDims, micro_batch: 
     step, coll, members, g, m, v, later = best
     full = lambda part, none=0: [part[members.index(i)] if i in members else none for i in range(n)]  # noqa: E731
     y = [1 if i in members else 0 for i in range(n)]
-    plan = _explain(profiles, dims, micro_batch, seq_len, full(g, (0, None)), full(m), full(v), y, coll,
-                    Later(full(later.mlp, False), full(later.attention, False),
-                          full(later.vocab) if later.vocab else None) if later else None)
+    plan = _explain(
+        profiles,
+        dims,
+        micro_batch,
+        seq_len,
+        full(g, (0, None)),
+        full(m),
+        full(v),
+        y,
+        coll,
+        Later(full(later.mlp, False), full(later.attention, False), full(later.vocab) if later.vocab else None)
+        if later
+        else None,
+    )
     return plan if optimal else plan.model_copy(update={"optimal": False})
 
 
 def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None) -> Plan:
     members = [i for i in range(len(profiles)) if y[i]]
-    split = to_split(dims, [g[i] for i in members], [m[i] for i in members], [v[i] for i in members],
-                      later.select(members) if later else None)
+    split = to_split(
+        dims,
+        [g[i] for i in members],
+        [m[i] for i in members],
+        [v[i] for i in members],
+        later.select(members) if later else None,
+    )
     fixed_bytes, kv_bytes, mlp_bytes, vocab_bytes = unit_bytes(dims, micro_batch, seq_len)
     devices, shares = [], split.shares()
     for i, p in enumerate(profiles):
@@ -268,20 +326,43 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None)
                 reason = f"too little memory: {p.memory_bytes / 2**20:.0f} MiB free, a share needs more"
             else:
                 reason = "too slow: its share would save less than it adds to every collective"
-            devices.append(DeviceCost(device=p.device, rank=None, kv_groups=0, mlp_columns=0, vocab_rows=0,
-                                      compute_seconds=0.0, memory_bytes=0, reason=reason))
+            devices.append(
+                DeviceCost(
+                    device=p.device,
+                    rank=None,
+                    kv_groups=0,
+                    mlp_columns=0,
+                    vocab_rows=0,
+                    compute_seconds=0.0,
+                    memory_bytes=0,
+                    reason=reason,
+                )
+            )
             continue
         rank = members.index(i)
         kv, mlp, vocab = split.kv_groups[rank], split.mlp_columns[rank], split.vocab_rows[rank]
         memory = fixed_bytes + kv * kv_bytes + mlp / dims.mlp_block * mlp_bytes + vocab / dims.vocab_block * vocab_bytes
-        devices.append(DeviceCost(device=p.device, rank=rank, kv_groups=kv, 
-                                  kv_rows=split.kv_rows[rank] if split.kv_rows else None,
-                                  mlp_columns=mlp, vocab_rows=vocab, compute_seconds=device_compute(p, dims, *shares[rank]),
-                                  memory_bytes=int(memory)))
+        devices.append(
+            DeviceCost(
+                device=p.device,
+                rank=rank,
+                kv_groups=kv,
+                kv_rows=split.kv_rows[rank] if split.kv_rows else None,
+                mlp_columns=mlp,
+                vocab_rows=vocab,
+                compute_seconds=device_compute(p, dims, *shares[rank]),
+                memory_bytes=int(memory),
+            )
+        )
     step = split_step_seconds([profiles[i] for i in members], dims, split)
     coll = coll if len(members) > 1 else 0.0
     compute = [d.compute_seconds for d in devices if d.rank is not None]  # rank order = device order
     idle = idle_seconds(compute)
     devices = [d if d.rank is None else d.model_copy(update={"idle_seconds": idle[d.rank]}) for d in devices]
-    return Plan(split=split, devices=devices, collective_seconds=coll, predicted_step_seconds=step,
-                predicted_idle_ratio=mean_idle_ratio(compute, step))
+    return Plan(
+        split=split,
+        devices=devices,
+        collective_seconds=coll,
+        predicted_step_seconds=step,
+        predicted_idle_ratio=mean_idle_ratio(compute, step),
+    )

@@ -62,9 +62,7 @@ def split_layers(per_layer: list[float], head: float, n_layers: int) -> tuple[fl
     return best[n][n_layers], stages[::-1]
 
 
-def plan_pipeline(
-    profiles: list[DeviceProfile], dims: ModelDims, batch_size: int, micro_batches: int
-) -> PipelinePlan:
+def plan_pipeline(profiles: list[DeviceProfile], dims: ModelDims, batch_size: int, micro_batches: int) -> PipelinePlan:
     """The fastest PP layout over device subsets and orders, for `micro_batches` per step."""
     if batch_size % micro_batches:
         raise XronosError(f"--micro-batches {micro_batches} must divide --batch-size {batch_size}")
@@ -83,5 +81,6 @@ def plan_pipeline(
     for k, (d, (lo, hi)) in enumerate(zip(order, stages)):
         head = head_seconds(profiles[d], dims) if k == len(order) - 1 else 0.0
         seconds.append(((hi - lo) * layer_seconds(profiles[d], dims) + head) * scale)
-    return PipelinePlan(devices=order, stages=stages, stage_seconds=seconds, micro_batches=micro_batches,
-                        predicted_step_seconds=step)
+    return PipelinePlan(
+        devices=order, stages=stages, stage_seconds=seconds, micro_batches=micro_batches, predicted_step_seconds=step
+    )

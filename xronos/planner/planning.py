@@ -12,6 +12,7 @@ from fractions import Fraction
 from xronos.contract.errors import XronosError
 from xronos.contract.splits import ModelDims, ShardSplit
 
+
 def split_units(total: int, weights: list[float], block: int = 1) -> list[int]:
     """Split `total` into len(weights) integer parts proportional to `weights`.
 

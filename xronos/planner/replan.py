@@ -8,11 +8,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from xronos.contract.profiles import (COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile)
+from xronos.contract.profiles import COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile
 from xronos.contract.splits import ModelDims, ShardSplit
-from xronos.planner.cost_model import device_compute, later_products, segments, split_step_seconds, to_split, vocab_later_seconds
+from xronos.planner.cost_model import (
+    device_compute,
+    later_products,
+    segments,
+    split_step_seconds,
+    to_split,
+    vocab_later_seconds,
+)
 from xronos.planner.layouts import IDLE_TOLERANCE
 from xronos.planner.partitioner import fits_memory, solve_members, solve_with_memory
+
 
 def recalibrate(profile: DeviceProfile, factor: float, per_segment: dict[str, float] | None = None) -> DeviceProfile:
     """The profile with its compute seconds scaled by measured / predicted compute (`factor`), and
@@ -39,9 +47,14 @@ class MeasuredCompute(NamedTuple):
     segments: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
-def segment_compute(p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float],
-                    mlp_later: bool = False, attention_later: bool = False,
-                    vocab_later: int = 0) -> tuple[float, float, float]:
+def segment_compute(
+    p: DeviceProfile,
+    dims: ModelDims,
+    share: tuple[float, float, float],
+    mlp_later: bool = False,
+    attention_later: bool = False,
+    vocab_later: int = 0,
+) -> tuple[float, float, float]:
     """A device's predicted compute per micro-step in the attention and MLP segments of all layers and
     in the vocabulary segment, for a share: weight-gradient products counted where they run (moved MLP
     products and `vocab_later` rows' LM head products in the attention's backward spans, deferred
@@ -49,12 +62,16 @@ def segment_compute(p: DeviceProfile, dims: ModelDims, share: tuple[float, float
     attention, mlp, vocab = segments(p, dims, *share)
     moved, deferred = later_products(p, dims, share, mlp_later, attention_later)
     spread = vocab_later_seconds(p, dims, vocab_later)
-    return (dims.num_layers * (attention - deferred + moved) + spread, dims.num_layers * (mlp - moved + deferred),
-            vocab - spread)
+    return (
+        dims.num_layers * (attention - deferred + moved) + spread,
+        dims.num_layers * (mlp - moved + deferred),
+        vocab - spread,
+    )
 
 
-def calibration_factors(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit,
-                        measured: list[MeasuredCompute]) -> list[tuple[float, dict[str, float]]]:
+def calibration_factors(
+    profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[MeasuredCompute]
+) -> list[tuple[float, dict[str, float]]]:
     """Per rank: measured / predicted compute in all, and a factor per segment it holds a share of.
 
     The whole comes from the totals. A segment's factor comes from how the rank's measured
@@ -68,13 +85,20 @@ def calibration_factors(profiles: list[DeviceProfile], dims: ModelDims, split: S
     for r, (p, share, seen) in enumerate(zip(profiles, split.shares(), measured)):
         predicted = device_compute(p, dims, *share)
         whole.append(seen.total / predicted if predicted > 0 and seen.total > 0 else 1.0)
-        parts = segment_compute(p, dims, share, *(split.rank_computes_weight_grads_later(dim, r)
-                                                  for dim in ("mlp_columns", "kv_groups")), split.vocab_later(r))
+        parts = segment_compute(
+            p,
+            dims,
+            share,
+            *(split.rank_computes_weight_grads_later(dim, r) for dim in ("mlp_columns", "kv_groups")),
+            split.vocab_later(r),
+        )
         held = [u > 0 and x > 0 and y > 0 for u, x, y in zip(share, parts, seen.segments)]
         logs.append([float(np.log(y / x)) if h else None for h, x, y in zip(held, parts, seen.segments)])
         weights.append([x if h else 0.0 for h, x in zip(held, parts)])
-    means = [np.mean(known) if (known := [row[c] for row in logs if row[c] is not None]) else 0.0
-             for c in range(len(SEGMENT_FIELDS))]
+    means = [
+        np.mean(known) if (known := [row[c] for row in logs if row[c] is not None]) else 0.0
+        for c in range(len(SEGMENT_FIELDS))
+    ]
     factors = []
     for f, row, w in zip(whole, logs, weights):
         rel = {dim: x - mean for dim, x, mean in zip(SEGMENT_FIELDS, row, means) if x is not None}
@@ -100,8 +124,9 @@ vocabulary rows), predicted to idle 7.8-8.4% against the best's 4.7-5.1%; the be
 such round's final profiles, run fixed, idled 3.7-4.3% (three runs)."""
 
 
-def min_replan_gain(kept_gain: float | None, reshard_seconds: float | None, step_seconds: float,
-                    steps_left: int) -> float:
+def min_replan_gain(
+    kept_gain: float | None, reshard_seconds: float | None, step_seconds: float, steps_left: int
+) -> float:
     """The predicted gain a check needs to re-shard: MIN_REPLAN_GAIN, or CONFIRMED_REPLAN_GAIN when the
     check before kept the split though it found a gain of at least that much (whichever split it was;
     `kept_gain`; None: it re-sharded, or there was none), raised to what pays back a re-shard's seconds
@@ -109,7 +134,11 @@ def min_replan_gain(kept_gain: float | None, reshard_seconds: float | None, step
     it) over the steps left, and never above MIN_REPLAN_GAIN (which re-shards regardless)."""
     if kept_gain is None or kept_gain < CONFIRMED_REPLAN_GAIN:
         return MIN_REPLAN_GAIN
-    payback = reshard_seconds / (step_seconds * steps_left) if reshard_seconds and steps_left > 0 and step_seconds > 0 else 0.0
+    payback = (
+        reshard_seconds / (step_seconds * steps_left)
+        if reshard_seconds and steps_left > 0 and step_seconds > 0
+        else 0.0
+    )
     return min(MIN_REPLAN_GAIN, max(CONFIRMED_REPLAN_GAIN, payback))
 
 
@@ -124,9 +153,16 @@ class Replan(NamedTuple):
     gain: float
 
 
-def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, measured: list[MeasuredCompute],
-           micro_batch: int, seq_len: int, min_gain: float = MIN_REPLAN_GAIN,
-           tolerance: float = IDLE_TOLERANCE) -> Replan:
+def replan(
+    profiles: list[DeviceProfile],
+    dims: ModelDims,
+    split: ShardSplit,
+    measured: list[MeasuredCompute],
+    micro_batch: int,
+    seq_len: int,
+    min_gain: float = MIN_REPLAN_GAIN,
+    tolerance: float = IDLE_TOLERANCE,
+) -> Replan:
     """A new split for the same ranks from measured compute seconds per micro-step (rank order),
     the profiles recalibrated towards the measurement (the next re-plan starts from them,
     so repeated re-plans converge on the measured pace), and what `profiles` predicted.
@@ -138,8 +174,10 @@ def replan(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, me
     predictions = [device_compute(p, dims, *share) for p, share in zip(profiles, split.shares())]
     # Most of the way (geometrically) towards the measurement, not all: a device's pace depends
     # on its share (under a CPU quota, the less it waits the slower it computes).
-    calibrated = [recalibrate(p, f ** RECALIBRATION_STEP, {dim: x ** RECALIBRATION_STEP for dim, x in own.items()})
-                  for p, (f, own) in zip(profiles, calibration_factors(profiles, dims, split, measured))]
+    calibrated = [
+        recalibrate(p, f**RECALIBRATION_STEP, {dim: x**RECALIBRATION_STEP for dim, x in own.items()})
+        for p, (f, own) in zip(profiles, calibration_factors(profiles, dims, split, measured))
+    ]
     members = list(range(len(profiles)))
     step, coll, g, m, v, later = solve_members(calibrated, dims, members, micro_batch, tolerance=tolerance)
     if not fits_memory(calibrated, dims, micro_batch, seq_len, members, g, m, v):
