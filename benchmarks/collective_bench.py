@@ -7,7 +7,7 @@ width (`--rows` x 576 floats; 4 x 128 rows = 1.125 MiB) both ways, alternately, 
 `edge_node.tp.comm` (`time_collectives`, what a job's `collective: auto` runs before its
 first step, here with more trials). Prints each algorithm's time as the ranks agree on it
 (the slowest rank's median). Then, through the hub, the all-reduces of a layout where only
-some ranks hold a share (`use_holders`): rank 0 alone (a broadcast, as kv 3/0/0's attention)
+some ranks hold a share (`TPContext.holders`): rank 0 alone (a broadcast, as kv 3/0/0's attention)
 and all but the last rank (as kv 2/1/0's). Not a test: numbers, to be quoted. Needs root
 and the cgroup v1 cpu controller.
 
@@ -28,7 +28,8 @@ from edge_node.worker_process import free_port
 CHILD = """
 import statistics, sys, time, torch, torch.distributed as dist
 from edge_node.cpu_quota import join_quota
-from edge_node.tp.comm import all_reduce, time_collectives, use_holders, use_hub
+from edge_node.tp.comm import all_reduce, time_collectives
+from edge_node.tp.context import TPContext
 rank, world, port, numel, hub, trials = (int(a) for a in sys.argv[1:7])
 torch.set_num_threads(1)
 join_quota(sys.argv[7])
@@ -37,14 +38,13 @@ time_collectives(numel, hub, trials=3)  # warm-up
 ring, through_hub = time_collectives(numel, hub, trials=trials)
 if rank == 0:
     print(f"  ring {ring * 1e3:6.2f} ms   hub (rank {hub}) {through_hub * 1e3:6.2f} ms   hub / ring {through_hub / ring:.2f}", flush=True)
-use_hub(hub)
 layouts = {"rank 0 alone holds a share (broadcast)": (0,), "all but the last rank hold one": tuple(range(world - 1))}
-use_holders(layouts)
+tp = TPContext(hub=hub, holders=layouts)
 tensor, seconds = torch.zeros(numel), {name: [] for name in layouts}
 for _ in range(trials):
     for name in layouts:
         start = time.perf_counter()
-        all_reduce(tensor, closes=name)
+        all_reduce(tensor, tp, closes=name)
         seconds[name].append(time.perf_counter() - start)
 agreed = torch.tensor([statistics.median(s) for s in seconds.values()])
 dist.all_reduce(agreed, op=dist.ReduceOp.MAX)

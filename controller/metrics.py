@@ -1,4 +1,4 @@
-"""The controller's Prometheus metrics (DESIGN.md): nodes online, jobs by state,
+"""The controller's Prometheus metrics (docs/monitoring.md): nodes online, jobs by state,
 predicted vs measured step time, invalid messages, and how late it handles heartbeats.
 
 Per-job series carry `job_id` (Prometheus's own `job` label names the scrape
@@ -11,6 +11,7 @@ tens of devices, not thousands.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -88,7 +89,20 @@ class ControllerMetrics(MetricsEndpoint):
     def dropped(self, topic: str, why: str) -> None:
         self.invalid.labels(topic).inc()
 
-    def job_counts(self, states: list[str]) -> None:
+    def rejected(self) -> None:
+        """A train command that could not run: it failed, but gets no per-job series (junk must not
+        push the real jobs' series out of the kept window)."""
+        self.finished.labels("failed").inc()
+
+    def forget_node(self, node_id: str) -> None:
+        """A node the registry forgot: its per-node series go too."""
+        for gauge in (self.node_online, self.heartbeat_age):
+            try:
+                gauge.remove(node_id)
+            except KeyError:
+                pass
+
+    def job_counts(self, states: Sequence[str]) -> None:
         for state in JOB_STATES:
             self.jobs.labels(state).set(states.count(state))
 

@@ -8,6 +8,7 @@ and arithmetic on a clock passed in, so the rules are testable without a broker.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from xronos.contract.profiles import DeviceProfile
@@ -57,6 +58,20 @@ class Registry:
         for node in lost:
             self.offline(node.node_id, f"no heartbeat for {self.timeout:g} s")
         return lost
+
+    def forget_offline(self, limit: int, keep: AbstractSet[str] = frozenset()) -> list[str]:
+        """Forget the offline nodes seen longest ago beyond `limit` (not those in `keep`); their ids.
+
+        Births on an open broker can name any id: a registry that kept every node ever seen would grow
+        without bound. A forgotten node that comes back is known again from its next birth.
+        """
+        offline = sorted(
+            (n for n in self.nodes.values() if not n.online and n.node_id not in keep), key=lambda n: n.last_seen
+        )
+        gone = [n.node_id for n in offline[: max(0, len(offline) - limit)]]
+        for node_id in gone:
+            del self.nodes[node_id]
+        return gone
 
     def available(self, busy: set[str]) -> list[str]:
         """Online nodes in none of this controller's jobs (a start-up profile in progress gives way to a job)."""

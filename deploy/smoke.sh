@@ -38,7 +38,7 @@ LIMIT=${XRONOS_SMOKE_TIMEOUT:-600}
 BASE=${XRONOS_SMOKE_BASE:-xronos-smoke/base:bookworm}
 IMAGE=${XRONOS_SMOKE_IMAGE:-xronos:smoke}
 PROJECT=xronos-smoke
-PORTS="1883 9090 9100 9101 9102 9103 9111 9112 9113"
+PORTS="8883 8884 9090 9100 9101 9102 9103 9111 9112 9113"
 WORK=$(mktemp -d /tmp/xronos-smoke.XXXXXX)
 export XRONOS_CACHE=$CACHE PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 STEP=start
@@ -243,6 +243,15 @@ docker run --rm --network none --user 0 --entrypoint sh \
   -v "$REPO/deploy/mosquitto/make-passwords.sh:/make-passwords.sh:ro" -v "$WORK/mosquitto:/out" "$XRONOS_MOSQUITTO_IMAGE" \
   -c 'sh /make-passwords.sh /out/passwd node-a node-b node-c edge-1 edge-2 edge-3 && chown 1883:1883 /out/passwd' 2>/dev/null \
   || fail "make-passwords.sh failed"
+# the TLS files, by deploy/mosquitto/make-certs.sh, readable by the broker's user and the image's
+XRONOS_BROKER_NAMES="127.0.0.1 localhost" sh "$REPO/deploy/mosquitto/make-certs.sh" "$WORK/certs" \
+  node-a node-b node-c edge-1 edge-2 edge-3 2>/dev/null || fail "make-certs.sh failed"
+chown 1883:1883 "$WORK/certs/broker.key"
+for user in controller operator node-a node-b node-c; do chown 10001:10001 "$WORK/certs/$user.key"; done
+export XRONOS_CERTS=$WORK/certs
+# the host's own xronos commands below are the operator's, over TLS on the operators' port
+export XRONOS_BROKER=mqtts://127.0.0.1:8884 XRONOS_CA_FILE=$WORK/certs/ca.crt \
+  XRONOS_CERT_FILE=$WORK/certs/operator.crt XRONOS_KEY_FILE=$WORK/certs/operator.key
 compose config -q || fail "docker-compose config rejects compose.yaml"
 TEARDOWN+=('compose --profile tools down -v --remove-orphans --timeout 20')
 
@@ -310,8 +319,9 @@ step job-by-mosquitto_pub
 job='{"schema_version": 1, "job_id": "smoke-1", "nodes": ["node-a", "node-b", "node-c"], "job": {"model": "/models/tiny",
  "data": "/data/tiny.jsonl", "output": "/checkpoints/smoke-1", "mode": "tp", "steps": 6, "batch_size": 4,
  "seq_len": 32, "lr": 0.001, "shuffle": false}}'
-compose exec -T mosquitto mosquitto_pub -h 127.0.0.1 -p 1883 -u operator -P "$XRONOS_PASSWORD_OPERATOR" \
-  -q 1 -t xronos/cmd/train -m "$job" || fail "mosquitto_pub failed"
+docker run --rm --network host --user 0 --entrypoint mosquitto_pub -v "$WORK/certs:/certs:ro" "$XRONOS_MOSQUITTO_IMAGE" \
+  -h 127.0.0.1 -p 8884 --cafile /certs/ca.crt --cert /certs/operator.crt --key /certs/operator.key -i xronos-smoke-pub \
+  -u operator -P "$XRONOS_PASSWORD_OPERATOR" -q 1 -t xronos/cmd/train -m "$job" || fail "mosquitto_pub failed"
 deadline=$(( $(date +%s) + 300 ))
 while :; do
   read -r state reason < <(job_state smoke-1 || echo "unknown")
@@ -340,7 +350,8 @@ fi
 {
   echo "image: $IMAGE"
   echo "pull: never"
-  echo "broker: mqtt://127.0.0.1:1883"
+  echo "broker: mqtts://127.0.0.1:8883"
+  echo "mqtt_certs: $WORK/certs"
   echo "mounts: [$PROJECT-models:/models:ro, $PROJECT-data:/data:ro, $PROJECT-checkpoints:/checkpoints]"
   echo "devices:"
   for spec in "edge-1 1.0 2g 9111" "edge-2 0.5 1536m 9112" "edge-3 0.25 1g 9113"; do
@@ -380,7 +391,7 @@ fi
 
 step job-by-xronos-train
 t=$(now)
-XRONOS_PASSWORD=$XRONOS_PASSWORD_OPERATOR xronos train --broker mqtt://127.0.0.1:1883 --username operator \
+XRONOS_PASSWORD=$XRONOS_PASSWORD_OPERATOR xronos train --broker mqtts://127.0.0.1:8884 --username operator \
   --model /models/tiny --data /data/tiny.jsonl --output /checkpoints/smoke-2 --nodes edge-1,edge-2,edge-3 \
   --mode tp --steps 6 --batch-size 4 --seq-len 32 --lr 1e-3 --no-shuffle --job-id smoke-2 \
   --wait --timeout 300 --quiet --report "$WORK/report-2.json" >&2 || fail "job smoke-2 on the deployed nodes failed"

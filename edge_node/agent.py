@@ -18,17 +18,31 @@ config and tokenizes its data before the worker starts. Lifecycle of a job here:
 
 At start the node also profiles itself at a small reference shape, so the
 registry shows each device's speed before any job. Bad assignments are logged,
-counted and dropped; nothing a message says can stop the agent.
+counted and dropped; nothing a message says can stop the agent: a handler that
+fails anyway is logged, counted and fails the job it was for, with the reason.
+
+On a broker without ACLs anyone can clear or overwrite a node's retained
+assignment. The controller counts such a forgery and puts its own assignment
+back at once; so a message that would end the job in flight (a clear, or another
+job's assignment) waits END_GRACE seconds, and is forgotten if the controller
+re-sends the job's assignment meanwhile. What the agent keeps is bounded: the
+inbox (the newest INBOX_SIZE messages: a retained topic's latest is what counts),
+the assignments already handled, and the job directories (the last
+KEPT_JOB_DIRS, each reduced to its worker log when the job ends).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import shutil
 import signal
+import socket
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -40,23 +54,70 @@ from xronos.contract.files import write_atomically
 from xronos.contract.job import JobOptions
 from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.contract.profiles import REFERENCE_BATCH, REFERENCE_CONFIG, REFERENCE_SEQ, DeviceProfile
-from xronos.contract.report import LocalAssignment, RankResult
+from xronos.contract.report import RankResult
+from xronos.contract.splits import ModelDims
 
 log = logging.getLogger("xronos.node")
+
+END_GRACE = 2.0
+"""Seconds a message that ends the job in flight waits for the controller to revert it (a forgery)."""
+INBOX_SIZE = 64
+HANDLED_KEPT = 256
+KEPT_JOB_DIRS = 10
+"""Job directories kept under WORKDIR/jobs (their worker logs, for troubleshooting); older ones go."""
+KEPT_FILES = ("worker.log",)
+
+
+class _Inbox:
+    """The assignments the network thread hands the main loop: the newest `size`, the oldest dropped.
+
+    The network thread must never block on a full queue (heartbeats and reconnects run there).
+    """
+
+    def __init__(self, size: int):
+        self.items: collections.deque = collections.deque()
+        self.size = size
+        self.ready = threading.Condition()
+
+    def put(self, item) -> bool:
+        """Queue `item`; False when the oldest had to be dropped for it."""
+        with self.ready:
+            full = len(self.items) >= self.size
+            if full:
+                self.items.popleft()
+            self.items.append(item)
+            self.ready.notify()
+            return not full
+
+    def get(self, timeout: float):
+        with self.ready:
+            if not self.items and not self.ready.wait(timeout):
+                raise queue.Empty
+            if not self.items:
+                raise queue.Empty
+            return self.items.popleft()
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class NodeOptions(BaseModel):
     node_id: wire.Id
     speed: float | None = Field(
-        None, gt=0, description="Emulated CPU speed (1 = one full core), applied to the worker."
+        None,
+        ge=0.001,
+        le=1024,
+        allow_inf_nan=False,
+        description="Emulated CPU speed (1 = one full core), applied to the worker: 1 ms of each 1 s "
+        "period (the kernel's longest) up to 1,024 cores.",
     )
     metrics_port: int | None = Field(None, ge=0, le=65535)
     address: str | None = Field(
         None, description="Address other nodes reach this one at (default: the one facing the broker)."
     )
-    threads: int = Field(1, ge=1)
+    threads: int = Field(1, ge=1, le=1024)
     workdir: Path
-    heartbeat_seconds: float = Field(2.0, gt=0)
+    heartbeat_seconds: float = Field(2.0, ge=0.1, le=3600, allow_inf_nan=False)
     startup_profile: bool = True
 
 
@@ -74,7 +135,7 @@ class _Job:
         self.step: int | None = None
         self.loss: float | None = None
         self.step_seconds: float | None = None
-        self.dims = None
+        self.dims: ModelDims | None = None
 
     def file(self, name: str) -> Path:
         return self.dir / name
@@ -93,11 +154,14 @@ class NodeAgent:
             on_invalid=self.metrics.dropped,
         )
         self.bus.subscribe(wire.ASSIGNMENT, self._assigned, ident=self.id)
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox = _Inbox(INBOX_SIZE)
         self.state = "idle"
         self.job: _Job | None = None
         self.stopping = threading.Event()
-        self.handled: set[tuple[str, str, float]] = set()
+        self.handled: collections.OrderedDict[tuple[str, str, float], None] = collections.OrderedDict()
+        """Keys of the assignments handled lately (a retained copy comes again after a reconnect)."""
+        self.pending: tuple[wire.Assignment | None, float] | None = None
+        """A message that ends the job in flight, and when it takes effect (END_GRACE)."""
 
     # -- MQTT side (network thread) ---------------------------------------------------
     def _born(self) -> None:
@@ -105,7 +169,9 @@ class NodeAgent:
         self._heartbeat()
 
     def _assigned(self, node_id: str, message: wire.Assignment | None) -> None:
-        self.inbox.put(message)
+        if not self.inbox.put(message):
+            self.metrics.dropped(wire.ASSIGNMENT.family, "inbox full")
+            log.warning("dropped the oldest queued assignment: %d are waiting", INBOX_SIZE)
 
     def _heartbeat(self) -> None:
         job = self.job if self.job is not None and self.job.id != "startup" else None
@@ -125,6 +191,7 @@ class NodeAgent:
     # -- main loop -----------------------------------------------------------------
     def run(self) -> None:
         self.o.workdir.mkdir(parents=True, exist_ok=True)
+        self._tidy_job_dirs()
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
         self.bus.start(wait=None)  # keep trying until the broker is there
@@ -135,10 +202,15 @@ class NodeAgent:
                 self._start_reference_profile()
             while not self.stopping.is_set():
                 try:
-                    self._handle(self.inbox.get(timeout=0.2))
+                    message = self.inbox.get(timeout=0.2)
                 except queue.Empty:
                     pass
-                self._poll()
+                else:
+                    self._guarded(self._receive, message)
+                if self.pending is not None and time.monotonic() >= self.pending[1]:
+                    message, self.pending = self.pending[0], None
+                    self._guarded(self._handle, message)
+                self._guarded(self._poll, None)
         finally:
             self._end_job()
             if self.bus.connected.is_set():  # else the broker publishes the will once it notices
@@ -151,6 +223,24 @@ class NodeAgent:
     def stop(self, *_) -> None:
         self.stopping.set()
 
+    def _guarded(self, step, message: wire.Assignment | None) -> None:
+        """The handler boundary: whatever a message (or a worker's files, for `_poll`) makes `step`
+        raise is logged, counted (a message's) and fails the job it concerns with the reason."""
+        try:
+            step() if step == self._poll else step(message)
+        except Exception as err:  # noqa: BLE001 - nothing a message or a file says may stop the agent
+            log.exception("%s failed", step.__name__)
+            if step != self._poll:
+                self.metrics.dropped(wire.ASSIGNMENT.family, f"handler failed: {err}")
+            job_id = message.job_id if message is not None else self.job.id if self.job is not None else None
+            try:
+                if job_id is None or job_id == "startup":
+                    self._end_job()
+                else:
+                    self._fail(job_id, f"this node could not handle the job: {type(err).__name__}: {err}")
+            except Exception:  # noqa: BLE001 - the broker or the disk failing too: the loop still goes on
+                log.exception("could not fail job %s", job_id)
+
     def _beat(self) -> None:
         while not self.stopping.wait(self.o.heartbeat_seconds):
             job = self.job
@@ -162,9 +252,22 @@ class NodeAgent:
         if self.o.address:
             return self.o.address
         sock = self.bus.client.socket()
-        return sock.getsockname()[0] if sock is not None else "127.0.0.1"
+        return sock.getsockname()[0] if isinstance(sock, socket.socket) else "127.0.0.1"
 
     # -- assignments -----------------------------------------------------------------
+    def _receive(self, a: wire.Assignment | None) -> None:
+        """A message from the inbox: at once, unless it would end the job in flight (see END_GRACE)."""
+        job = self.job
+        if job is None or job.id == "startup":
+            self._handle(a)
+        elif a is not None and a.job_id == job.id:  # the controller's word on the job in flight
+            if self.pending is not None:
+                log.warning("job %s's assignment came again: ignoring the message that would have ended it", job.id)
+                self.pending = None
+            self._handle(a)
+        else:  # a clear, or another job: takes effect after the grace unless the controller reverts it
+            self.pending = (a, self.pending[1] if self.pending else time.monotonic() + END_GRACE)
+
     def _handle(self, a: wire.Assignment | None) -> None:
         if a is None:  # the controller cleared the assignment: the job is over for this node
             if self.job is not None and self.job.id != "startup":
@@ -174,7 +277,9 @@ class NodeAgent:
         key = (a.job_id, a.phase, a.ts)
         if key in self.handled:  # a retained copy delivered again after a reconnect
             return
-        self.handled.add(key)
+        self.handled[key] = None
+        while len(self.handled) > HANDLED_KEPT:
+            self.handled.popitem(last=False)
         if self.job is not None and self.job.id != a.job_id:
             log.info("new job %s replaces %s", a.job_id, self.job.id)
             self._end_job()
@@ -188,20 +293,18 @@ class NodeAgent:
     def _profile_for(self, a: wire.Assignment) -> None:
         from safetensors.torch import save_file
 
-        from edge_node.data import load_rows
-        from edge_node.model_io import load_config
+        from edge_node.preflight import job_inputs
         from xronos.contract.errors import XronosError
-        from xronos.contract.splits import ModelDims
 
         job = _Job(a.job_id, a.job, self.o.workdir / "jobs" / a.job_id)
         shutil.rmtree(job.dir, ignore_errors=True)
         job.dir.mkdir(parents=True)
+        self._prune_job_dirs()
         self.job, self.state = job, "profiling"
         try:
-            dims = ModelDims.from_config(load_config(a.job.model))
-            rows = load_rows(a.job.data, a.job.seq_len, a.job.model, dims.vocab_size)
+            dims, rows = job_inputs(a.job)
             save_file({"input_ids": rows}, job.file("rows.safetensors"))
-        except (XronosError, OSError, ValueError) as err:
+        except (XronosError, OSError, ValueError) as err:  # the user's mistakes; anything else: `_guarded`
             self._fail(a.job_id, str(err))
             return
         job.dims = dims
@@ -213,7 +316,7 @@ class NodeAgent:
 
         ref = self.o.workdir / "reference-model"
         if not (ref / "config.json").is_file():
-            LlamaConfig(**REFERENCE_CONFIG).save_pretrained(ref)
+            LlamaConfig(**dict[str, Any](REFERENCE_CONFIG)).save_pretrained(ref)
         job = _Job(
             "startup",
             JobOptions(
@@ -258,17 +361,10 @@ class NodeAgent:
 
     def _train(self, a: wire.Assignment) -> None:
         job = self.job
+        if job is None or job.worker is None:  # _assigned routes a train phase to the job it profiled
+            raise RuntimeError(f"a training assignment for {a.job_id} with no job profiling here")
         job.rank = a.rank
-        plan = LocalAssignment(
-            ranks=[a.rank],
-            split=a.split,
-            profiles=a.profiles,
-            stages=a.stages,
-            micro_batches=a.micro_batches,
-            master_addr=a.master_addr,
-            master_port=a.master_port,
-        )
-        write_atomically(job.file("plan.json"), plan.model_dump_json())
+        write_atomically(job.file("plan.json"), a.rank_assignment().model_dump_json())
         if a.rank is None:
             log.info("job %s leaves this node out", a.job_id)
             self._end_job()
@@ -339,10 +435,50 @@ class NodeAgent:
                 stop_all([job.worker])
             if job.quota is not None:
                 job.quota.close()
+            _keep_only_logs(job.dir)
         self.job, self.state = None, "idle"
         self.metrics.training.labels(self.id).set(0)
         if self.bus.connected.is_set():
             self._heartbeat()
+
+    # -- disk ---------------------------------------------------------------------------
+    def _prune_job_dirs(self) -> None:
+        """Keep the newest KEPT_JOB_DIRS job directories."""
+        root = self.o.workdir / "jobs"
+        dirs = sorted((p for p in root.iterdir() if p.is_dir()), key=_mtime) if root.is_dir() else []
+        for old in dirs[:-KEPT_JOB_DIRS]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _tidy_job_dirs(self) -> None:
+        """At start: what an agent killed mid-job left (its rows, its specs, its CPU quota groups)."""
+        from edge_node.cpu_quota import remove_stale_cgroups
+
+        root = self.o.workdir / "jobs"
+        for directory in [*(root.iterdir() if root.is_dir() else []), self.o.workdir / "startup"]:
+            if directory.is_dir():
+                _keep_only_logs(directory)
+        self._prune_job_dirs()
+        remove_stale_cgroups(f"xronos-node-{self.id}-", min_age=0.0)  # its workers died with that agent
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _keep_only_logs(directory: Path) -> None:
+    """A finished job's directory: its worker log stays (README: troubleshooting), the rest goes."""
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        if path.name in KEPT_FILES:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def run_node(options: NodeOptions, settings: BrokerSettings) -> int:

@@ -8,16 +8,27 @@ plus, for resuming, the AdamW moments in the same full layout and a
 `trainer_state.json`; because it stores full tensors, a job can resume with
 a different split or number of ranks. Directories are written under a
 temporary name and renamed into place, so a crash never leaves half a
-checkpoint behind.
+checkpoint behind, and durably: every file and the directory are fsynced
+before the rename and the parent after it, so a power cut (what an edge
+device gets) leaves the old checkpoint or the new one, never a directory whose
+files are still in the page cache. Each checkpoint carries a manifest of its
+files' sizes and SHA-256 digests, computed as the bytes are written; a
+checkpoint whose files do not match it (truncated, corrupt, or a torn
+`trainer_state.json`) is rejected with the reason, and the older one kept
+beside it (KEEP_CHECKPOINTS) is used. Leftovers of a crashed save (`.tmp-*`,
+`.old-*`) are removed when the next job starts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -25,18 +36,124 @@ from torch import nn
 
 from edge_node.optimizer import ADAM_MOMENTS
 from edge_node.tp.plan import Slice
+from xronos.contract.errors import XronosError
+from xronos.contract.job import JobOptions
 
 SliceOf = Callable[[str, int], Slice | None]
 """(parameter name, rank) -> that rank's slice, or None when replicated."""
+
+
+def sharded_slice(slice_of: SliceOf, name: str, rank: int) -> Slice:
+    """`rank`'s slice of a parameter known to be sliced (whether one is depends on its name alone)."""
+    part = slice_of(name, rank)
+    if part is None:
+        raise ValueError(f"parameter {name!r} is sliced on some rank but replicated on rank {rank}")
+    return part
+
 
 MAX_FILE_BYTES = 2 * 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json")
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+LEFTOVER_PREFIXES = (".tmp-", ".old-", ".final")
+"""Directories only a crashed save leaves behind: temporary, replaced, and the final model's staging."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, and why (one line)."""
+
+
+class _DigestingFile:
+    """A file being written whose size and SHA-256 are computed from the bytes as they go out."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw, self.sha256, self.bytes = raw, hashlib.sha256(), 0
+
+    def write(self, data) -> None:
+        self.sha256.update(data)
+        self.bytes += len(memoryview(data).cast("B"))
+        self.raw.write(data)
+
+    def digest(self) -> dict:
+        return {"bytes": self.bytes, "sha256": self.sha256.hexdigest()}
+
+
+def file_digest(path: Path) -> dict:
+    """Size and SHA-256 of a file, read in 4 MiB pieces."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while piece := f.read(4 << 20):
+            sha.update(piece)
+            size += len(piece)
+    return {"bytes": size, "sha256": sha.hexdigest()}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it, a new file) survive a power cut."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal(directory: Path, digests: dict[str, dict]) -> None:
+    """Write `directory`'s manifest (files already digested as written, the others digested now) and
+    fsync every file and the directory: what `publish_dir` then renames into place is complete on disk."""
+    files = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            if path.name not in digests:
+                _fsync_file(path)
+            files[path.name] = digests.get(path.name) or file_digest(path)
+    manifest = directory / MANIFEST
+    with open(manifest, "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(directory)
+
+
+def verify(directory: Path) -> None:
+    """Raise CheckpointError (one line) unless every file of `directory`'s manifest is there, whole."""
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{directory.name}: no readable {MANIFEST} ({type(err).__name__})") from None
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{directory.name}: {name} is missing")
+        if path.stat().st_size != expected.get("bytes"):
+            raise CheckpointError(
+                f"{directory.name}: {name} has {path.stat().st_size} bytes, not {expected.get('bytes')}"
+            )
+        if file_digest(path)["sha256"] != expected.get("sha256"):
+            raise CheckpointError(f"{directory.name}: {name} does not match its checksum")
+    if TRAINER_STATE not in files:
+        raise CheckpointError(f"{directory.name}: no {TRAINER_STATE}")
+
+
+def clean_leftovers(output: Path) -> list[Path]:
+    """Remove what crashed saves left in `output` and its checkpoints (temporary and replaced
+    directories); returns what was removed."""
+    removed: list[Path] = []
+    for parent in (output, output / CHECKPOINTS):
+        for path in parent.glob(".*") if parent.is_dir() else []:
+            if path.is_dir() and path.name.startswith(LEFTOVER_PREFIXES):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
 
 def gather_full(
-    local: dict[str, torch.Tensor], shapes: dict[str, torch.Size], slice_of: SliceOf, rank: int, world: int
+    local: Mapping[str, torch.Tensor], shapes: dict[str, torch.Size], slice_of: SliceOf, rank: int, world: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) on rank 0; other ranks send their slices and yield nothing.
 
@@ -49,12 +166,12 @@ def gather_full(
                 yield name, local[name].detach()
             continue
         if rank != 0:
-            if slice_of(name, rank).size:
+            if sharded_slice(slice_of, name, rank).size:
                 dist.send(local[name].detach().contiguous(), dst=0)
             continue
         full = torch.empty(shape, dtype=torch.float32)
         for src in range(world):
-            p = slice_of(name, src)
+            p = sharded_slice(slice_of, name, src)
             if not p.size:
                 continue
             target = full.narrow(p.dim, p.start, p.size)
@@ -87,7 +204,8 @@ def plan_files(
 
 def _header(names: list[str], shapes: dict[str, torch.Size]) -> bytes:
     """A safetensors header for float32 tensors laid out in `names` order, padded to 8 bytes."""
-    meta, offset = {"__metadata__": {"format": "pt"}}, 0
+    meta: dict[str, dict[str, object]] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for name in names:
         end = offset + shapes[name].numel() * 4
         meta[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [offset, end]}
@@ -102,29 +220,34 @@ def write_safetensors(
     shapes: dict[str, torch.Size],
     tensors: Iterator[tuple[str, torch.Tensor]],
     max_bytes: int = MAX_FILE_BYTES,
-) -> None:
-    """Stream float32 tensors (arriving in `shapes` order) into safetensors files.
+) -> dict[str, dict]:
+    """Stream float32 tensors (arriving in `shapes` order) into safetensors files; returns each
+    file's size and SHA-256 (for the manifest), computed from the bytes as they were written.
 
     The shapes are known before any data arrives, so each file's header is
     written first and every tensor goes straight to disk: the writer holds
     one tensor at a time, never the whole model.
     """
     files = plan_files(shapes, stem, max_bytes)
+    digests = {}
     for file_name, names in files:
-        with open(directory / file_name, "wb") as f:
+        with open(directory / file_name, "wb") as raw:
+            f = _DigestingFile(raw)
             header = _header(names, shapes)
             f.write(len(header).to_bytes(8, "little") + header)
             for expected in names:
                 name, tensor = next(tensors)
                 assert name == expected and tensor.shape == shapes[name], f"{name} out of order"
                 f.write(tensor.detach().to(torch.float32).contiguous().numpy().data)
-            f.flush()
-            os.fsync(f.fileno())
+            raw.flush()
+            os.fsync(raw.fileno())
+            digests[file_name] = f.digest()
     if len(files) > 1:
         weight_map = {name: file_name for file_name, names in files for name in names}
         (directory / f"{stem}.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map})
         )
+    return digests
 
 
 def copy_model_files(source: Path, target: Path) -> None:
@@ -140,6 +263,7 @@ def publish_dir(tmp: Path, final: Path) -> None:
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -152,6 +276,7 @@ def promote_files(finished: Path, target: Path) -> None:
     for name in sorted(new, key=lambda n: n.endswith(WEIGHT_SUFFIXES)):  # weights last
         os.replace(finished / name, target / name)
     finished.rmdir()
+    fsync_dir(target)
 
 
 def _temp_dir(final: Path) -> Path:
@@ -184,15 +309,23 @@ def save(
     """Collective: write the model (and optimizer moments) of all ranks to `final` on rank 0."""
     params = dict(model.named_parameters())
     tmp = _temp_dir(final) if rank == 0 else None
-    write = (lambda stem, it: write_safetensors(tmp, stem, shapes, it)) if rank == 0 else (lambda stem, it: list(it))
+    digests: dict[str, dict] = {}
+
+    def write(stem: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if tmp is None:
+            list(tensors)  # a sender: gather_full sends as it is iterated
+        else:
+            digests.update(write_safetensors(tmp, stem, shapes, tensors))
+
     write("model", gather_full(params, shapes, slice_of, rank, world))
     if optimizer is not None:
         for key in ADAM_MOMENTS:
             write(key, gather_full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
-    if rank == 0:
+    if tmp is not None:  # rank 0
         copy_model_files(source_model, tmp)
         if trainer_state is not None:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        seal(tmp, digests)
         publish_dir(tmp, final)
 
 
@@ -200,11 +333,40 @@ def checkpoint_dir(output: Path, step: int) -> Path:
     return output / CHECKPOINTS / f"step-{step:08d}"
 
 
-def latest_checkpoint(output: Path) -> Path | None:
-    """The newest complete checkpoint under `output`, if any (only complete ones are ever renamed in)."""
+def latest_checkpoint(output: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `output` that matches its manifest (None: none does), and why each
+    newer one was passed over."""
     root = output / CHECKPOINTS
-    done = sorted(p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file()) if root.is_dir() else []
-    return done[-1] if done else None
+    rejected: list[str] = []
+    for candidate in sorted(root.glob("step-*"), reverse=True) if root.is_dir() else []:
+        try:
+            verify(candidate)
+            return candidate, rejected
+        except CheckpointError as err:
+            rejected.append(str(err))
+    return None, rejected
+
+
+def resume_point(output: Path, job: JobOptions) -> Path:
+    """The checkpoint `--resume` continues from, or a one-line XronosError: none usable (with why the
+    newer ones were passed over), one of another `--model`, or `--steps` not beyond it."""
+    found, rejected = latest_checkpoint(output)
+    passed_over = f" (passed over: {'; '.join(rejected)})" if rejected else ""
+    if found is None:
+        raise XronosError(f"--resume: no usable checkpoint under {output / CHECKPOINTS}{passed_over}")
+    state = json.loads((found / TRAINER_STATE).read_text())
+    if state.get("model", job.model) != job.model:
+        raise XronosError(
+            f"--resume: {found} was trained from --model {state['model']}, not {job.model}; "
+            "resume with that model, or give a new --output"
+        )
+    if job.steps <= state["step"]:
+        raise XronosError(
+            f"--resume: --steps {job.steps} is not beyond the checkpoint's step {state['step']} ({found})"
+        )
+    if rejected:
+        print(f"xronos: warning: resuming from {found.name}{passed_over}", file=sys.stderr)
+    return found
 
 
 def prune_checkpoints(output: Path, keep: int) -> None:

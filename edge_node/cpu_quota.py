@@ -160,3 +160,32 @@ def make_quota(name: str, speed: float) -> CgroupQuota | DutyCycleQuota:
         "cgroup v1 cpu quotas are not writable here; emulating speed %.2f with a SIGSTOP/SIGCONT duty cycle", speed
     )
     return DutyCycleQuota(name, speed)
+
+
+STALE_GROUP_SECONDS = 600.0
+"""An empty group older than this is a leftover: a worker joins its group within seconds of its start
+(after its imports), so a younger empty group may be one whose worker is still importing."""
+
+
+def remove_stale_cgroups(prefix: str, min_age: float = STALE_GROUP_SECONDS) -> list[str]:
+    """Remove the empty cpu groups named `prefix*` older than `min_age`: what a killed launcher or agent left.
+
+    A group with a process in it cannot be removed (the kernel answers EBUSY), so one in use is
+    never touched; nor is a young empty one. Returns the names removed.
+    """
+    if not CGROUP_V1_CPU.is_dir():
+        return []
+    removed, now = [], time.time()
+    for group in CGROUP_V1_CPU.glob(f"{prefix}*"):
+        try:
+            if not group.is_dir() or now - group.stat().st_mtime < min_age:
+                continue
+            if (group / "cgroup.procs").read_text().strip():
+                continue
+            group.rmdir()
+            removed.append(group.name)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d leftover cgroup(s): %s", len(removed), ", ".join(removed[:5]))
+    return removed

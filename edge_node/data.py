@@ -1,6 +1,6 @@
 """Training data: rows of token ids, and which rows each step uses.
 
-The contract (DESIGN.md): a JSONL file of `{"input_ids": [...]}` rows of
+The contract (docs/command-line.md): a JSONL file of `{"input_ids": [...]}` rows of
 equal length, or a plain text file tokenized with the model's tokenizer and
 cut into rows of `seq_len`. Without shuffling, step k uses rows
 k*B .. k*B+B-1 (wrapping around at the end of an epoch); with shuffling each
@@ -31,8 +31,8 @@ def _read_jsonl(path: Path, seq_len: int) -> torch.Tensor:
                 ids = json.loads(line)["input_ids"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise XronosError(f"{path}:{lineno}: expected a JSON object with an 'input_ids' list") from None
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise XronosError(f"{path}:{lineno}: 'input_ids' must be a list of integers")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 1 << 63 for t in ids):
+                raise XronosError(f"{path}:{lineno}: 'input_ids' must be a list of token ids (whole numbers from 0)")
             if len(ids) < seq_len:
                 raise XronosError(f"{path}:{lineno}: row has {len(ids)} tokens, shorter than --seq-len {seq_len}")
             rows.append(ids[:seq_len])
@@ -62,10 +62,13 @@ def load_rows(path: str | os.PathLike, seq_len: int, model_dir: str | os.PathLik
         raise XronosError(f"data file {str(path)!r} does not exist")
     if seq_len < 2:
         raise XronosError(f"--seq-len must be at least 2 (next-token prediction), got {seq_len}")
-    with path.open() as f:
-        first = next((line for line in f if line.strip()), "")
-    is_jsonl = path.suffix == ".jsonl" or first.lstrip().startswith("{")
-    rows = _read_jsonl(path, seq_len) if is_jsonl else _read_text(path, seq_len, model_dir)
+    try:
+        with path.open() as f:
+            first = next((line for line in f if line.strip()), "")
+        is_jsonl = path.suffix == ".jsonl" or first.lstrip().startswith("{")
+        rows = _read_jsonl(path, seq_len) if is_jsonl else _read_text(path, seq_len, model_dir)
+    except UnicodeDecodeError as err:
+        raise XronosError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     if rows.min() < 0 or rows.max() >= vocab_size:
         raise XronosError(f"{path}: token ids must lie in [0, {vocab_size}) for this model")
     return rows

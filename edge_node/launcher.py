@@ -15,24 +15,25 @@ import shutil
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from edge_node.cpu_quota import pack_cores
-from edge_node.data import load_rows
 from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
-from edge_node.model_io import load_config
+from edge_node.preflight import job_inputs
 from edge_node.trainer import WorkerSpec
 from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all
+from xronos.contract.assignment import RankAssignment
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
-from xronos.contract.report import LocalAssignment, RankResult, RunReport, build_report
-from xronos.contract.splits import ModelDims
+from xronos.contract.report import RankResult, RunReport, build_report
 from xronos.planner.job_plan import plan_job, planned_report
+from xronos.planner.pipeline_plan import stages_from_layers
 from xronos.planner.planning import split_for_mode
 
 
@@ -83,6 +84,12 @@ class _MetricsFeed:
             self.metrics.step(self.job_id, line)
 
 
+def _read_feeds(feeds: list[_MetricsFeed], workers: list[WorkerProcess]) -> None:
+    """Each device's metrics from its worker's progress so far."""
+    for feed, worker in zip(feeds, workers):
+        feed.read(worker.proc.pid)
+
+
 def run_local(
     job: JobOptions,
     nodes: int,
@@ -103,29 +110,20 @@ def run_local(
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {nodes}")
     if speeds is not None and any(s <= 0 for s in speeds):
         raise XronosError(f"speeds must be positive, got {speeds}")
-    dims = ModelDims.from_config(load_config(job.model))
-    rows = load_rows(job.data, job.seq_len, job.model, dims.vocab_size)
+    dims, rows = job_inputs(job)  # every mistake in the model, the data or --resume, before a worker starts
     split_override = dict(split_override or {})
     layer_counts = split_override.pop("layers", None)
     if layer_counts is not None and (job.mode != "pp" or split_override):
         raise XronosError("--split layers=... is for --mode pp alone")
     stages = None
     if layer_counts is not None:
-        if len(layer_counts) != nodes or sum(layer_counts) != dims.num_layers:
-            raise XronosError(
-                f"split layers {'+'.join(map(str, layer_counts))} must give {nodes} stages "
-                f"summing to the model's {dims.num_layers} layers"
-            )
-        if any(count == 0 for count in layer_counts[1:-1]):
-            raise XronosError("a middle pipeline stage needs at least one layer")
-        if (job.micro_batches or job.batch_size) < nodes:
-            raise XronosError(f"a 1F1B pipeline of {nodes} stages needs at least {nodes} micro-batches")
-        ends = [sum(layer_counts[: i + 1]) for i in range(nodes)]
-        stages = [(end - count, end) for end, count in zip(ends, layer_counts)]
+        stages = stages_from_layers(layer_counts, nodes, dims.num_layers, job.micro_batches or job.batch_size)
     profiled = (job.mode == "pp" and stages is None) or (job.mode == "xronos" and not split_override)
     split = None if profiled or job.mode == "pp" else split_for_mode(job.mode, dims, nodes, speeds, split_override)
     n_workers = 1 if job.mode == "single" else nodes
-    device_speeds = (speeds or [None] * nodes)[:n_workers]
+    device_speeds: list[float | None] = [None] * n_workers
+    if speeds is not None:
+        device_speeds = list(speeds[:n_workers])
 
     run_dir = Path(tempfile.mkdtemp(prefix="xronos-run-"))
     run_id = uuid.uuid4().hex[:8]
@@ -139,21 +137,28 @@ def run_local(
                 )
         port = free_port()
         memory = available_memory_bytes() // n_workers
-        throttled = None not in device_speeds
-        cpus = pack_cores(device_speeds, len(os.sched_getaffinity(0))) if throttled else None
+        quotas_of = [s for s in device_speeds if s is not None]
+        throttled = len(quotas_of) == n_workers
+        cpus = pack_cores(quotas_of, len(os.sched_getaffinity(0))) if throttled else None
         for device in range(n_workers):
             spec = WorkerSpec(
                 job=job,
                 device=device,
                 speed_hint=device_speeds[device],
                 memory_bytes=memory,
-                rank=None if profiled else device,
-                split=split,
-                stages=stages,
-                micro_batches=job.micro_batches or job.batch_size,
+                assignment=None
+                if profiled
+                else RankAssignment(
+                    rank=device,
+                    world_size=n_workers,
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                    split=split,
+                    stages=stages,
+                    micro_batches=job.micro_batches or job.batch_size,
+                ),
                 profile_file=str(run_dir / f"profile-{device}.json") if profiled else None,
-                plan_file=str(run_dir / "plan.json") if profiled else None,
-                master_port=port,
+                plan_file=str(run_dir / f"plan-{device}.json") if profiled else None,
                 rows_file=str(run_dir / "rows.safetensors"),
                 result_file=str(run_dir / f"result-{device}.json"),
                 threads=threads,
@@ -174,7 +179,7 @@ def run_local(
             workers.append(worker)
             quotas += [quota] if quota is not None else []
 
-        tick = (lambda: [feed.read(w.proc.pid) for feed, w in zip(feeds, workers)]) if feeds else None
+        tick = partial(_read_feeds, feeds, workers) if feeds else None
         devices, predicted, plan = list(range(n_workers)), None, None
         if profiled:
             profile_files = [run_dir / f"profile-{d}.json" for d in range(n_workers)]
@@ -182,12 +187,10 @@ def run_local(
             profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files]
             plan = plan_job(job, dims, profiles)
             split, stages, predicted, devices = plan.split, plan.stages, plan.predicted, plan.members
-            for worker, rank in zip(workers, plan.ranks):
+            for device, (worker, rank) in enumerate(zip(workers, plan.ranks)):
                 worker.rank = rank
-            assignment = LocalAssignment(
-                ranks=plan.ranks, split=split, profiles=plan.profiles, stages=stages, micro_batches=plan.micro_batches
-            )
-            write_atomically(run_dir / "plan.json", assignment.model_dump_json())
+                assignment = plan.rank_assignment(device, "127.0.0.1", port)
+                write_atomically(run_dir / f"plan-{device}.json", assignment.model_dump_json())
         _watch(workers, Path(job.output), tick=tick)
         if tick is not None:
             tick()

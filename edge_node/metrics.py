@@ -1,4 +1,4 @@
-"""A node's Prometheus metrics (names in DESIGN.md: base units, `_total` counters).
+"""A node's Prometheus metrics (docs/monitoring.md: base units, `_total` counters).
 
 Every series carries `node` (the device's id), so one Prometheus job can scrape
 many nodes and Grafana can group by device; what a job's steps measure also
@@ -40,32 +40,45 @@ SHARD_GAUGES = {
 class NodeMetrics(MetricsEndpoint):
     def __init__(self, node_id: str, subscribed: tuple[str, ...] = ()):
         super().__init__()
-        r, per_job = self.registry, {"labelnames": ["node", "job_id"]}
+        r, per_job = self.registry, ["node", "job_id"]
         self.node_id = node_id
         self.step_seconds = Histogram(
-            "xronos_step_seconds", "Wall time of a training step.", buckets=STEP_BUCKETS, registry=r, **per_job
+            "xronos_step_seconds", "Wall time of a training step.", buckets=STEP_BUCKETS, registry=r, labelnames=per_job
         )
         self.compute = Counter(
-            "xronos_compute_seconds", "Seconds computing (step time outside collectives).", registry=r, **per_job
+            "xronos_compute_seconds",
+            "Seconds computing (step time outside collectives).",
+            registry=r,
+            labelnames=per_job,
         )
         self.comm = Counter(
-            "xronos_comm_seconds", "Seconds inside collectives (including waiting in them).", registry=r, **per_job
+            "xronos_comm_seconds",
+            "Seconds inside collectives (including waiting in them).",
+            registry=r,
+            labelnames=per_job,
         )
         self.idle = Counter(
-            "xronos_idle_seconds", "Seconds waiting for the slowest device at sync points.", registry=r, **per_job
+            "xronos_idle_seconds",
+            "Seconds waiting for the slowest device at sync points.",
+            registry=r,
+            labelnames=per_job,
         )
         self.stall = Counter(
             "xronos_stall_seconds",
             "pp jobs: seconds a stage's compute waited for a neighbour "
             "stage's activations or gradients (the computation stall).",
             registry=r,
-            **per_job,
+            labelnames=per_job,
         )
-        self.idle_ratio = Gauge("xronos_idle_ratio", "Idle share of the last step (0..1).", registry=r, **per_job)
-        self.tokens = Counter("xronos_tokens", "Tokens this node's shard trained on.", registry=r, **per_job)
-        self.loss = Gauge("xronos_loss", "Loss of the last step.", registry=r, **per_job)
-        self.steps = Gauge("xronos_step", "The last step this node finished.", registry=r, **per_job)
-        self.shard = {key: Gauge(name, doc, registry=r, **per_job) for key, (name, doc) in SHARD_GAUGES.items()}
+        self.idle_ratio = Gauge(
+            "xronos_idle_ratio", "Idle share of the last step (0..1).", registry=r, labelnames=per_job
+        )
+        self.tokens = Counter("xronos_tokens", "Tokens this node's shard trained on.", registry=r, labelnames=per_job)
+        self.loss = Gauge("xronos_loss", "Loss of the last step.", registry=r, labelnames=per_job)
+        self.steps = Gauge("xronos_step", "The last step this node finished.", registry=r, labelnames=per_job)
+        self.shard = {
+            key: Gauge(name, doc, registry=r, labelnames=per_job) for key, (name, doc) in SHARD_GAUGES.items()
+        }
         self.training = Gauge("xronos_training", "1 while this node trains a job.", registry=r, labelnames=["node"])
         self.worker_memory = Gauge(
             "xronos_worker_resident_memory_bytes",

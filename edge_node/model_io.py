@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from edge_node.tp.context import TPContext
 from edge_node.tp.parallelize import check_supported, parallelize, tie_vocab_shards
 from edge_node.tp.plan import Slice, param_slice
 from xronos.contract.errors import XronosError
@@ -36,7 +38,7 @@ def load_config(model_dir: str | os.PathLike):
     return config
 
 
-def model_class(config) -> type:
+def model_class(config) -> Any:
     """The transformers class AutoModelForCausalLM builds for `config` (importing its modeling module)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -57,7 +59,7 @@ class SafetensorsReader:
         else:
             raise XronosError(f"model directory {str(self.dir)!r} has no {stem} safetensors weights")
         self.weight_map: dict[str, str] = weight_map
-        self._files: dict[str, object] = {}
+        self._files: dict[str, Any] = {}  # safetensors' safe_open handles
 
     def read(self, name: str, part: Slice | None = None) -> torch.Tensor:
         """Tensor `name` (or just `part` of it) as float32, contiguous: a slice across columns comes
@@ -93,23 +95,24 @@ def full_param_shapes(config) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-def empty_shard(config, split: ShardSplit, rank: int) -> nn.Module:
-    """Rank `rank`'s shard of the model `config` describes, its parameters allocated, not filled."""
+def empty_shard(config, split: ShardSplit, rank: int, tp: TPContext) -> nn.Module:
+    """Rank `rank`'s shard of the model `config` describes, its parameters allocated, not filled; its
+    modules share `tp` (`edge_node.tp.context`)."""
     split.check(ModelDims.from_config(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
-    parallelize(model, split, rank)
+    parallelize(model, split, rank, tp)
     model.to_empty(device="cpu")
     tie_vocab_shards(model)
     reset_rotary(model, config)
     return model
 
 
-def load_shard(model_dir: str | os.PathLike, split: ShardSplit, rank: int) -> nn.Module:
+def load_shard(model_dir: str | os.PathLike, split: ShardSplit, rank: int, tp: TPContext) -> nn.Module:
     """Rank `rank`'s tensor-parallel shard of the model, reading only its own slices."""
     config = load_config(model_dir)
     dims = ModelDims.from_config(config)
-    model = empty_shard(config, split, rank)
+    model = empty_shard(config, split, rank, tp)
     reader = SafetensorsReader(model_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,11 @@ from transformers.masking_utils import create_causal_mask
 
 from edge_node.data import batch_rows
 from edge_node.model_io import ATTN_IMPLEMENTATION, SafetensorsReader, reset_rotary
-from edge_node.tp.comm import CLOCK, all_reduce
+from edge_node.tp.comm import all_reduce
+from edge_node.tp.parallelize import HFCausalLM
 from edge_node.tp.plan import Slice
 from edge_node.trainer import Trainer
+from xronos.contract.errors import XronosError
 
 TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -37,15 +40,16 @@ TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 class StageModule(nn.Module):
     """Layers [lo, hi) of a HF causal LM, plus the embedding (first) or the head (last)."""
 
-    def __init__(self, full: nn.Module, lo: int, hi: int, first: bool, last: bool):
+    def __init__(self, full: HFCausalLM, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
         self.config = full.config
-        self.model = nn.Module()  # keeps Hugging Face's parameter names: model.layers.<i>...
-        self.model.embed_tokens = full.model.embed_tokens if first else None
-        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in range(lo, hi)})
-        self.model.rotary_emb = full.model.rotary_emb
-        self.model.norm = full.model.norm if last else None
-        self.lm_head = full.lm_head if last else None
+        inner: Any = nn.Module()  # keeps Hugging Face's parameter names: model.layers.<i>...
+        inner.embed_tokens = full.model.embed_tokens if first else None
+        inner.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in range(lo, hi)})
+        inner.rotary_emb = full.model.rotary_emb
+        inner.norm = full.model.norm if last else None
+        self.model: Any = inner
+        self.lm_head: Any = full.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x  # (B, T, H)
@@ -88,9 +92,6 @@ class TimedStage(PipelineStage):
 class PipelineTrainer(Trainer):
     """One stage of the PP baseline; everything else is the shared Trainer."""
 
-    def world_size(self) -> int:
-        return len(self.spec.stages)
-
     @property
     def first(self) -> bool:
         return self.rank == 0
@@ -99,8 +100,15 @@ class PipelineTrainer(Trainer):
     def last(self) -> bool:
         return self.rank == self.world - 1
 
+    @property
+    def stages(self) -> list[tuple[int, int]]:
+        """Layers [lo, hi) of every rank's stage."""
+        if self.assignment.stages is None:
+            raise XronosError("this rank's assignment has no pipeline stages")
+        return self.assignment.stages
+
     def load_model(self, source: Path, config):
-        lo, hi = self.spec.stages[self.rank]
+        lo, hi = self.stages[self.rank]
         with torch.device("meta"):
             full = AutoModelForCausalLM.from_config(
                 config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
@@ -115,12 +123,12 @@ class PipelineTrainer(Trainer):
         with torch.no_grad():
             for name, param in stage.named_parameters():
                 param.copy_(reader.read(self.checkpoint_key(name)))
-        self.owner = {name: r for r, (a, b) in enumerate(self.spec.stages) for name in self._names(a, b, r)}
+        self.owner = {name: r for r, (a, b) in enumerate(self.stages) for name in self._names(a, b, r)}
         self.tied_group = (
             dist.new_group([0, self.world - 1]) if self.tied and self.world > 1 else None
         )  # every rank must take part in creating it
         self.stage = TimedStage(stage, self.rank, self.world, torch.device("cpu"))
-        self.schedule = Schedule1F1B(self.stage, n_microbatches=self.spec.micro_batches, loss_fn=causal_lm_loss)
+        self.schedule = Schedule1F1B(self.stage, n_microbatches=self.assignment.micro_batches, loss_fn=causal_lm_loss)
         return stage.train()
 
     def _names(self, lo: int, hi: int, rank: int) -> list[str]:
@@ -146,12 +154,12 @@ class PipelineTrainer(Trainer):
     modes and the profile."""
 
     def comm_seconds_of_step(self, wall: float, clock_before: float) -> float:
-        return self.schedule_wait + CLOCK.seconds - clock_before
+        return self.schedule_wait + self.tp.clock.seconds - clock_before
 
     def shard_held(self) -> dict:
         """A stage holds whole layers; its stall is the schedule's wait (the paper's computation
         stall: the stage's cores wait for a neighbour's activations or gradients)."""
-        lo, hi = self.spec.stages[self.rank]
+        lo, hi = self.stages[self.rank]
         return {
             "layers": hi - lo,
             "stall_seconds": self.schedule_wait,
@@ -175,8 +183,8 @@ class PipelineTrainer(Trainer):
         self.schedule_wait = time.perf_counter() - start - (self.stage.compute_seconds - compute_before)
         if self.tied_group is not None and (self.first or self.last):
             weight = self.model.model.embed_tokens.weight if self.first else self.model.lm_head.weight
-            all_reduce(weight.grad, group=self.tied_group)
+            all_reduce(weight.grad, self.tp, group=self.tied_group)
         self.optimizer.step()
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        all_reduce(loss)  # only the last stage has it; the others add zero (exactly)
+        all_reduce(loss, self.tp)  # only the last stage has it; the others add zero (exactly)
         return loss.item()

@@ -26,6 +26,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -35,8 +36,9 @@ from transformers.masking_utils import create_causal_mask
 from edge_node.memory import available_memory_bytes
 from edge_node.model_io import ATTN_IMPLEMENTATION
 from edge_node.optimizer import adamw
+from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
-from edge_node.tp.weight_grads import WEIGHT_GRADS, linear_weight_grad_later, weight_grads_later
+from edge_node.tp.weight_grads import WeightGradQueue, linear_weight_grad_later, weight_grads_later
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
 from xronos.contract.profiles import DeviceProfile, ProfileShape
@@ -68,7 +70,7 @@ def _window(run) -> tuple[float, int]:
     return time.perf_counter() - start, reps
 
 
-def mean_seconds(runs: dict[str, object]) -> dict[str, float]:
+def mean_seconds(runs: Mapping[str, Callable[[], object]]) -> dict[str, float]:
     """Each `run()`'s mean wall time per call after one warm-up, over WINDOWS windows.
 
     The windows take turns across the runs (a, b, c, a, b, c), so a passing disturbance
@@ -99,8 +101,11 @@ class _Parts:
         return part / self.total if self.total > 0 else 0.0
 
 
-def training_step(forward, params: list[torch.Tensor], parts: _Parts | None = None):
-    """forward + backward + AdamW update of one component, in isolation (timed in `parts`)."""
+def training_step(
+    forward, params: list[torch.Tensor], parts: _Parts | None = None, weight_grads: WeightGradQueue | None = None
+):
+    """forward + backward + AdamW update of one component, in isolation (timed in `parts`); the
+    weight-gradient products its layers defer to `weight_grads` run after the backward."""
     opt = adamw(params, lr=1e-6)
     parts = parts or _Parts()
 
@@ -110,7 +115,8 @@ def training_step(forward, params: list[torch.Tensor], parts: _Parts | None = No
         t1 = time.perf_counter()
         out.backward()
         t2 = time.perf_counter()
-        WEIGHT_GRADS.flush()
+        if weight_grads is not None:
+            weight_grads.flush()
         t3 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -256,6 +262,7 @@ def profile_device(
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
     position_ids = torch.arange(seq_len).unsqueeze(0)
     runs = {}
+    tp = TPContext()  # no process group: the loss's all-reduces are no-ops; the deferred products queue here
     parts = {"attention-share": _Parts(), "mlp-share": _Parts(), "vocab-share": _Parts()}  # read at the share
     for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
         model = model_variant(config, dims, 1, g, m * dims.mlp_block, 8)
@@ -265,18 +272,19 @@ def profile_device(
         )
         rope = model.model.rotary_emb(h, position_ids=position_ids)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # timed as a rank that defers them runs them
-            setattr(layer.self_attn, name, weight_grads_later(getattr(layer.self_attn, name)))
+            setattr(layer.self_attn, name, weight_grads_later(getattr(layer.self_attn, name), tp.weight_grads))
         runs[f"attention-{size}"] = training_step(
             lambda layer=layer, rope=rope, mask=mask: layer.self_attn(
                 hidden_states=h, position_embeddings=rope, attention_mask=mask
             )[0],
             list(layer.self_attn.parameters()),
             parts.get(f"attention-{size}"),
+            tp.weight_grads,
         )
         for name in ("gate_proj", "up_proj", "down_proj"):  # as on a rank whose weight gradients come later
-            setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name)))
+            setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name), tp.weight_grads))
         runs[f"mlp-{size}"] = training_step(
-            lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()), parts.get(f"mlp-{size}")
+            lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()), parts.get(f"mlp-{size}"), tp.weight_grads
         )
         # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows,
         # whose weight-gradient product is timed apart (as a rank that computes it later runs it).
@@ -285,10 +293,14 @@ def profile_device(
         ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
         runs[f"vocab-{size}"] = training_step(
             lambda head=head, embed=embed, ids=ids: causal_lm_loss(
-                linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None), ids, 0
+                linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None, tp.weight_grads),
+                ids,
+                0,
+                tp,
             ),
             list({id(p): p for p in (head, embed)}.values()),
             parts.get(f"vocab-{size}"),
+            tp.weight_grads,
         )
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]  # the same in either size
     runs["norms"] = training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h, norms)

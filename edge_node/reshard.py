@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from edge_node.checkpoint import SliceOf
+from edge_node.checkpoint import SliceOf, sharded_slice
 from edge_node.tp.plan import Slice
 
 
@@ -71,12 +71,12 @@ def reshard_tensors(
     """
     out, group = {}, len(next(iter(tensors.values())))
     for name, shape in shapes.items():
-        old = [old_slice_of(name, r) for r in range(world)]
-        if old[0] is None:  # replicated: every rank holds the whole of it already
+        if old_slice_of(name, 0) is None:  # replicated: every rank holds the whole of it already
             if name in tensors:
                 out[name] = [t.detach() for t in tensors[name]]
             continue
-        new = [new_slice_of(name, r) for r in range(world)]
+        old = [sharded_slice(old_slice_of, name, r) for r in range(world)]
+        new = [sharded_slice(new_slice_of, name, r) for r in range(world)]
         mine, held, dim = new[rank], old[rank], old[rank].dim
         if name in tensors:
             local = tensors[name]
@@ -102,6 +102,7 @@ def reshard_tensors(
                     sent.append(piece.contiguous())  # kept alive until its send completes
                     requests.append(dist.isend(sent[-1], dst=move.dst, tag=tag))
                 else:
+                    assert target is not None  # this rank is the move's destination
                     buffer = (
                         target
                         if target.is_contiguous()
@@ -110,6 +111,7 @@ def reshard_tensors(
                     received.append((target, buffer))
                     requests.append(dist.irecv(buffer, src=move.src, tag=tag))
         for request in requests:
+            assert request is not None  # None only for a rank outside the group: the default group holds every rank
             request.wait()
         for target, buffer in received:
             if buffer is not target:

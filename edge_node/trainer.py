@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from safetensors.torch import load_file
 
 from edge_node import checkpoint
@@ -25,11 +25,12 @@ from edge_node.data import batch_rows
 from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes, load_config, load_full, load_shard
 from edge_node.optimizer import ADAM_MOMENTS, adam_state, adam_step, adamw
 from edge_node.reshard import reshard_tensors
-from edge_node.tp.comm import CLOCK, time_collectives, use_holders, use_hub
+from edge_node.tp.comm import broadcast_bytes, time_collectives
+from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
-from edge_node.tp.weight_grads import WEIGHT_GRADS
+from xronos.contract.assignment import RankAssignment
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import SEGMENT_FIELDS, DeviceProfile
@@ -48,8 +49,9 @@ start or a re-shard are the noisiest)."""
 class WorkerSpec(BaseModel):
     """Everything one worker needs to run its part of a job.
 
-    Without `rank` (modes `xronos` and `pp`), the worker first profiles itself, writes
-    `profile_file`, and waits for `plan_file` to tell its rank (or that it sits out).
+    Without an `assignment` (modes `xronos` and `pp`), the worker first profiles itself, writes
+    `profile_file`, and waits for `plan_file` (a `RankAssignment`) to tell its rank (or that it
+    sits out).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -57,19 +59,11 @@ class WorkerSpec(BaseModel):
     job: JobOptions
     device: int
     name: str | None = Field(None, description="The device's name in its profile (default 'device-<device>').")
-    rank: int | None = None
-    split: ShardSplit | None = None
+    assignment: RankAssignment | None = Field(None, description="Its rank and shard, when known at start.")
     speed_hint: float | None = None
     memory_bytes: int | None = None
     profile_file: str | None = None
     plan_file: str | None = None
-    profiles: list[DeviceProfile] | None = Field(
-        None, description="Mode xronos: profiles of all ranks, for re-planning."
-    )
-    stages: list[tuple[int, int]] | None = Field(None, description="Pipeline mode: layers [lo, hi) of each rank.")
-    micro_batches: int = Field(1, description="Pipeline mode: micro-batches per step.")
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
     rows_file: str
     result_file: str
     threads: int = 1
@@ -80,27 +74,33 @@ class WorkerSpec(BaseModel):
 
 class Trainer:
     def __init__(self, spec: WorkerSpec):
-        assert spec.rank is not None, "a trainer needs its rank"
-        self.spec, self.job, self.rank = spec, spec.job, spec.rank
-        self.world = self.world_size()
+        assert spec.assignment is not None and spec.assignment.rank is not None, "a trainer needs its rank"
+        self.spec, self.job = spec, spec.job
+        self.assignment, self.rank = spec.assignment, spec.assignment.rank
+        self.tp = TPContext()
+        assert self.assignment.world_size is not None  # RankAssignment: a rank comes with its world
+        self.world = self.assignment.world_size
         self.tensor_parallel = self.job.mode in ("tp", "xronos")
         torch.set_num_threads(spec.threads)
         torch.manual_seed(self.job.seed)
         if self.world > 1 or self.job.mode != "single":
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+                init_method=f"tcp://{self.assignment.master_addr}:{self.assignment.master_port}",
                 rank=self.rank,
                 world_size=self.world,
             )
-        rows = spec.split.micro_batch_rows if spec.split is not None else None
+        rows = self.assignment.split.micro_batch_rows if self.assignment.split is not None else None
         if rows is not None and rows != self.job.batch_size // self.job.grad_accum:
             raise XronosError(
                 f"the split shares KV groups by rows of {rows}-row micro-batches, "
                 f"but this job's micro-batches have {self.job.batch_size // self.job.grad_accum} rows"
             )
         self.output = Path(self.job.output)
-        resume_from = checkpoint.latest_checkpoint(self.output) if self.job.resume else None
+        if self.rank == 0:  # the rank that writes: what a crashed save of an earlier run left goes
+            for leftover in checkpoint.clean_leftovers(self.output):
+                print(f"xronos: removed {leftover}, left by an interrupted save", file=sys.stderr)
+        resume_from = checkpoint.resume_point(self.output, self.job) if self.job.resume else None
         source = resume_from or Path(self.job.model)
         config = load_config(source)
         self.dims = ModelDims.from_config(config)
@@ -112,13 +112,14 @@ class Trainer:
         self.reshards, self.replan_checks = 0, 0
         self.replans: list[ReplanCheck] = []
         self.rows = load_file(spec.rows_file)["input_ids"]
-        self.start_step, self.losses = 0, []
+        self.start_step = 0
+        self.losses: list[float] = []
         if resume_from is not None:
             self._restore(resume_from)
         self.step_seconds: list[float] = []
         self.comm_seconds: list[float] = []
         self.segment_seconds: list[tuple[float, ...]] = []
-        """Per step: compute seconds in each segment, SEGMENT_FIELDS' order (`CLOCK.segments`)."""
+        """Per step: compute seconds in each segment, SEGMENT_FIELDS' order (`TPContext.clock.segments`)."""
         self.collective = self.choose_collective() if self.tensor_parallel and self.world > 1 else None
         if dist.is_initialized():
             dist.barrier()  # slow devices also load slowly: start the first step's clock together
@@ -132,7 +133,7 @@ class Trainer:
         """
         from xronos.planner.cost_model import collective_seconds
 
-        profiles = self.spec.profiles
+        profiles = self.assignment.profiles
         costs = [collective_seconds(p, self.dims) for p in profiles] if profiles else [0.0]
         hub = costs.index(min(costs))
         algorithm, ring_s, hub_s = self.job.collective, None, None
@@ -140,43 +141,52 @@ class Trainer:
             micro_batch = self.job.batch_size // self.job.grad_accum
             ring_s, hub_s = time_collectives(micro_batch * self.job.seq_len * self.dims.hidden_size, hub)
             algorithm = "hub" if hub_s < ring_s else "ring"
-        use_hub(hub if algorithm == "hub" else None)
+        self.tp.hub = hub if algorithm == "hub" else None
         return CollectiveChoice(
             algorithm=algorithm, hub_rank=hub if algorithm == "hub" else None, ring_seconds=ring_s, hub_seconds=hub_s
         )
 
     # -- what this rank holds (overridden by the pipeline trainer) ---------------
-    def world_size(self) -> int:
-        return self.spec.split.world_size
+    @property
+    def split(self) -> ShardSplit:
+        """This rank's tensor-parallel split (single mode's is one rank holding all)."""
+        if self.assignment.split is None:
+            raise XronosError("this rank's assignment has no split")
+        return self.assignment.split
+
+    @property
+    def profiles(self) -> list[DeviceProfile]:
+        """Mode xronos: the ranks' profiles, which re-planning starts from."""
+        if self.assignment.profiles is None:
+            raise XronosError("this rank's assignment has no profiles to re-plan with")
+        return self.assignment.profiles
 
     def load_model(self, source: Path, config):
         if not self.tensor_parallel:
             return load_full(source)
-        return self.enter_split(load_shard(source, self.spec.split, self.rank))
+        return self.enter_split(load_shard(source, self.split, self.rank, self.tp))
 
     def enter_split(self, model):
-        """What this rank keeps of its split beside the model: its first vocabulary row and who
-        holds each dimension (the all-reduces skip the others); returns the model."""
-        self.vocab_start = self.spec.split.interval("vocab_rows", self.rank)[0]
-        use_holders({dim: self.spec.split.holders(dim) for dim in SEGMENT_FIELDS})
+        """What this rank keeps of its split beside the model (its first vocabulary row); returns the model."""
+        self.vocab_start = self.split.interval("vocab_rows", self.rank)[0]
         return model
 
     def slice_of(self, name: str, rank: int):
-        return param_slice(name, self.spec.split, rank, self.dims) if self.tensor_parallel else None
+        return param_slice(name, self.split, rank, self.dims) if self.tensor_parallel else None
 
     def checkpoint_key(self, name: str) -> str:
         """The name a local parameter's full tensor has in a checkpoint."""
         return name
 
     def comm_seconds_of_step(self, wall: float, clock_before: float) -> float:
-        return CLOCK.seconds - clock_before
+        return self.tp.clock.seconds - clock_before
 
     # -- training ---------------------------------------------------------
     def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tensor_parallel:
             return self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         logits = self.model(input_ids=input_ids, use_cache=False).logits  # (B, T, V_local)
-        return causal_lm_loss(logits, input_ids, self.vocab_start)
+        return causal_lm_loss(logits, input_ids, self.vocab_start, self.tp)
 
     def train_step(self, step: int) -> float:
         """One optimizer step over the step's rows, in `grad_accum` micro-batches; returns the mean loss."""
@@ -187,10 +197,10 @@ class Trainer:
         for micro in rows.chunk(job.grad_accum):
             loss = self.loss(micro) / job.grad_accum
             loss.backward()
-            WEIGHT_GRADS.flush()
+            self.tp.weight_grads.flush()
             total += loss.item()
         if self.tensor_parallel:
-            sum_shared_grads(self.model, self.spec.split, self.rank, self.shapes, self.dims)
+            sum_shared_grads(self.model, self.split, self.rank, self.shapes, self.dims, self.tp)
         self.optimizer.step()
         return total
 
@@ -204,12 +214,12 @@ class Trainer:
                 total=self.job.steps, initial=self.start_step, desc=f"{self.job.mode}", file=sys.stderr, unit="step"
             )
         for step in steps:
-            comm0, segments0, t0 = CLOCK.seconds, dict(CLOCK.segments), time.perf_counter()
+            comm0, segments0, t0 = self.tp.clock.seconds, dict(self.tp.clock.segments), time.perf_counter()
             loss = self.train_step(step)
             self.step_seconds.append(time.perf_counter() - t0)
             self.comm_seconds.append(self.comm_seconds_of_step(self.step_seconds[-1], comm0))
             self.segment_seconds.append(
-                tuple(CLOCK.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENT_FIELDS)
+                tuple(self.tp.clock.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENT_FIELDS)
             )
             self.losses.append(loss)
             if self.spec.progress_file:
@@ -248,6 +258,7 @@ class Trainer:
             "tokens": self.job.batch_size * self.job.seq_len,
             **self.shard_held(),
         }
+        assert self.spec.progress_file is not None  # checked by the caller
         with open(self.spec.progress_file, "a") as out:
             out.write(json.dumps(line) + "\n")
 
@@ -258,7 +269,7 @@ class Trainer:
         """
         dims = self.dims
         if self.tensor_parallel:
-            kv, mlp, vocab = self.spec.split.shares()[self.rank]
+            kv, mlp, vocab = self.split.shares()[self.rank]
         else:
             kv, mlp, vocab = dims.num_kv_heads, dims.intermediate_size, dims.vocab_size
         return {
@@ -273,7 +284,7 @@ class Trainer:
     def can_replan(self) -> bool:
         return (
             self.job.mode == "xronos"
-            and self.spec.profiles is not None
+            and self.assignment.profiles is not None
             and self.world > 1
             and self.job.replan_after > 0
             and self.reshards < MAX_RESHARDS
@@ -302,7 +313,9 @@ class Trainer:
         match; a changed split is applied in memory, the slices that change hands sent
         rank to rank (`reshard`).
         """
-        from xronos.planner.replan import MeasuredCompute, replan
+        from xronos.planner.replan import MeasuredCompute, Replan, replan
+
+        as_json = TypeAdapter(Replan)  # what rank 0 decided travels as JSON, never pickled
 
         self.replan_checks += 1
         timed = range(self.timed_from(), len(self.step_seconds))
@@ -314,20 +327,21 @@ class Trainer:
         gathered = [torch.zeros(len(mine)) for _ in range(self.world)]
         dist.all_gather(gathered, torch.tensor(mine))
         measured = [MeasuredCompute(t[0].item(), tuple(t[1:].tolist())) for t in gathered]
-        box = [None]
+        decision = None
         if self.rank == 0:
-            box[0] = replan(
-                self.spec.profiles,
-                self.dims,
-                self.spec.split,
-                measured,
-                self.job.batch_size // self.job.grad_accum,
-                self.job.seq_len,
-                self.min_replan_gain(sum(self.step_seconds[k] for k in timed) / len(timed)),
+            decision = as_json.dump_json(
+                replan(
+                    self.profiles,
+                    self.dims,
+                    self.split,
+                    measured,
+                    self.job.batch_size // self.job.grad_accum,
+                    self.job.seq_len,
+                    self.min_replan_gain(sum(self.step_seconds[k] for k in timed) / len(timed)),
+                )
             )
-        dist.broadcast_object_list(box, src=0)
-        new_split, calibrated, predicted, gain = box[0]
-        changed = new_split != self.spec.split
+        new_split, calibrated, predicted, gain = as_json.validate_json(broadcast_bytes(decision))
+        changed = new_split != self.assignment.split
         accum = self.job.grad_accum
         started = time.perf_counter()
         self.replans.append(
@@ -340,7 +354,7 @@ class Trainer:
                 predicted_gain=gain,
             )
         )
-        self.spec = self.spec.model_copy(update={"profiles": calibrated})
+        self.assignment = self.assignment.model_copy(update={"profiles": calibrated})
         if not changed:
             return
         self.reshard(new_split)
@@ -365,12 +379,12 @@ class Trainer:
         params = dict(self.model.named_parameters())
         moments = [checkpoint.adam_moments(self.optimizer, params, key) for key in ADAM_MOMENTS]
         held = {name: [p, *(m[name] for m in moments)] for name, p in params.items()}
-        old_split = self.spec.split
+        old_split = self.split
         old_slice_of = lambda name, rank: param_slice(name, old_split, rank, self.dims)  # noqa: E731
-        self.spec = self.spec.model_copy(update={"split": new_split})
+        self.assignment = self.assignment.model_copy(update={"split": new_split})
         moved = reshard_tensors(held, self.shapes, old_slice_of, self.slice_of, self.rank, self.world)
         del held, params, moments
-        self.model = self.enter_split(empty_shard(self.config, new_split, self.rank))
+        self.model = self.enter_split(empty_shard(self.config, new_split, self.rank, self.tp))
         self.optimizer = self.make_optimizer()
         with torch.no_grad():
             for name, param in self.model.named_parameters():
@@ -397,6 +411,7 @@ class Trainer:
         """A resumable checkpoint: model, AdamW moments, step and losses so far."""
         state = {
             "step": step,
+            "model": self.job.model,
             "adam_step": adam_step(self.optimizer),
             "losses": self.losses,
             "replans": [c.model_dump() for c in self.replans],
@@ -437,7 +452,7 @@ class Trainer:
             comm_seconds=self.comm_seconds,
             param_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             measure_from=self.measure_from,
-            split=self.spec.split if self.tensor_parallel else None,
+            split=self.assignment.split if self.tensor_parallel else None,
             replans=self.replans,
             segment_seconds=self.segment_seconds if self.tensor_parallel else [],
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -18,9 +18,9 @@ import torch
 from edge_node.cpu_quota import join_quota
 from edge_node.model_io import load_config, model_class
 from edge_node.trainer import Trainer, WorkerSpec
+from xronos.contract.assignment import RankAssignment
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
-from xronos.contract.report import LocalAssignment
 
 
 def import_before_quota(spec: WorkerSpec) -> None:
@@ -50,24 +50,16 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
         speed_hint=spec.speed_hint,
         memory_bytes=spec.memory_bytes,
     )
+    if spec.profile_file is None:
+        raise XronosError("a worker without an assignment needs a profile_file to hand its profile to")
     write_atomically(spec.profile_file, profile.model_dump_json())
     if spec.plan_file is None:  # profiling was all that was asked
         return None
     plan = Path(spec.plan_file)
     while not plan.is_file():
         time.sleep(0.05)
-    assignment = LocalAssignment.model_validate_json(plan.read_text())
-    rank = assignment.ranks[spec.device]
-    update = {
-        "rank": rank,
-        "split": assignment.split,
-        "stages": assignment.stages,
-        "micro_batches": assignment.micro_batches,
-        "profiles": assignment.profiles,
-    }
-    if assignment.master_port is not None:  # the rendezvous is known only once the plan is
-        update |= {"master_addr": assignment.master_addr, "master_port": assignment.master_port}
-    return None if rank is None else spec.model_copy(update=update)
+    assignment = RankAssignment.model_validate_json(plan.read_text())
+    return None if assignment.rank is None else spec.model_copy(update={"assignment": assignment})
 
 
 def main(argv: list[str]) -> int:
@@ -79,11 +71,14 @@ def main(argv: list[str]) -> int:
         if spec.quota_file is not None:  # from here on, this device runs at its speed
             import_before_quota(spec)
             join_quota(spec.quota_file)
-        if spec.rank is None:
-            spec = profile_and_wait(spec)
-            if spec is None:  # the plan leaves this device out
+        if spec.assignment is None:
+            planned = profile_and_wait(spec)
+            if planned is None:  # the plan leaves this device out
                 return 0
-        if spec.stages is not None:
+            spec = planned
+        assert spec.assignment is not None
+        trainer: Trainer
+        if spec.assignment.stages is not None:
             from edge_node.pipeline import PipelineTrainer
 
             trainer = PipelineTrainer(spec)
@@ -93,7 +88,8 @@ def main(argv: list[str]) -> int:
         Path(spec.result_file).write_text(trainer.result().model_dump_json())
         trainer.close()
     except XronosError as err:
-        print(f"xronos: error: rank {spec.rank}: {err}", file=sys.stderr)
+        rank = spec.assignment.rank if spec.assignment is not None else None
+        print(f"xronos: error: rank {rank}: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from edge_node.cpu_quota import make_quota, start_under
@@ -41,6 +42,12 @@ value already in the environment wins; XRONOS_KEEP_HEAP=0 leaves glibc's default
 
 def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _pinned(cpus: set[int]) -> None:
+    """In the child before exec: die with the parent, and run on `cpus` only."""
+    die_with_parent()
+    os.sched_setaffinity(0, cpus)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,7 +81,7 @@ class WorkerProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=env,
-            preexec_fn=die_with_parent if cpus is None else lambda: (die_with_parent(), os.sched_setaffinity(0, cpus)),
+            preexec_fn=die_with_parent if cpus is None else partial(_pinned, cpus),
         )
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._tee = threading.Thread(target=self._copy, args=(log_file, echo), daemon=True)
@@ -82,6 +89,7 @@ class WorkerProcess:
 
     def _copy(self, log_file: Path, echo: bool) -> None:
         with log_file.open("wb") as log:
+            assert self.proc.stderr is not None  # stderr=PIPE
             for line in iter(self.proc.stderr.readline, b""):
                 log.write(line)
                 text = line.decode(errors="replace").rstrip()
@@ -146,10 +154,11 @@ def last_error(lines: list[str], limit: int = 300) -> str:
     line. The exception's module path is dropped: the name says what went wrong.
     """
     lines = [line.strip() for line in lines if line.strip()]
-    at = next((i for i in reversed(range(len(lines))) if EXCEPTION_LINE.match(lines[i])), None)
-    if at is None:
+    found = next(((i, m) for i in reversed(range(len(lines))) if (m := EXCEPTION_LINE.match(lines[i]))), None)
+    if found is None:
         return lines[-1][:limit] if lines else ""
-    name, message = EXCEPTION_LINE.match(lines[at]).groups()
+    at, match = found
+    name, message = match.groups()
     rest = [line for line in lines[at + 1 :] if not line.startswith("For further information")]
     return " ".join([name + (f":{message}" if message else ""), *rest])[:limit]
 

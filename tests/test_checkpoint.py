@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from edge_node import checkpoint
 from edge_node.launcher import run_local
 from tests.conftest import SEQ_LEN
+from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 
 
@@ -35,16 +38,23 @@ def test_resume_with_another_split_continues_the_same_training(model_dir, data_f
     first = tmp_path / "first"
     uneven = {"kv_groups": [2, 1, 0], "mlp_columns": [100, 40, 20], "vocab_rows": [160, 100, 60]}
     full = run_local(_job(model, data_file, first, "xronos"), 3, split_override=uneven, show_progress=False)
-    ckpt = checkpoint.latest_checkpoint(first)
-    assert ckpt is not None and ckpt.name == "step-00000003"
+    ckpt, rejected = checkpoint.latest_checkpoint(first)
+    assert ckpt is not None and ckpt.name == "step-00000003" and rejected == []
+    assert not any(p.name.startswith((".tmp-", ".old-", ".final")) for p in first.rglob("*"))
     assert AutoModelForCausalLM.from_pretrained(ckpt) is not None  # a checkpoint is a plain HF model
 
     # A crash at step 4 of another run: only the step-3 checkpoint survives. Resume on 2 even ranks.
     second = tmp_path / "second"
     shutil.copytree(ckpt, second / "checkpoints" / ckpt.name)
+    # and a newer one torn by the crash (its model file cut short), and a crashed save's leftovers
+    torn = shutil.copytree(ckpt, second / "checkpoints" / "step-00000005")
+    with open(torn / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    (second / "checkpoints" / ".tmp-step-00000006-99").mkdir()
     resumed = run_local(_job(model, data_file, second, "tp", resume=True), 2, show_progress=False)
 
-    assert len(resumed.losses) == 6 and len(resumed.step_seconds) == 3
+    assert len(resumed.losses) == 6 and len(resumed.step_seconds) == 3  # from step 3, torn step 5 passed over
+    assert not (second / "checkpoints" / ".tmp-step-00000006-99").exists()
     for got, want in zip(resumed.losses, full.losses):
         assert abs(got - want) / want < 1e-5
     a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
@@ -52,14 +62,51 @@ def test_resume_with_another_split_continues_the_same_training(model_dir, data_f
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-4, msg=key)
 
 
-def test_half_written_checkpoints_are_never_picked(tmp_path):
+def _sealed_checkpoint(output, step, model="m"):
+    directory = checkpoint.checkpoint_dir(output, step)
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(bytes(range(256)) * 40)
+    (directory / checkpoint.TRAINER_STATE).write_text(json.dumps({"step": step, "model": model}))
+    checkpoint.seal(directory, {})
+    return directory
+
+
+def test_a_checkpoint_that_does_not_match_its_manifest_is_passed_over_with_the_reason(tmp_path):
     root = tmp_path / checkpoint.CHECKPOINTS
-    good = checkpoint.checkpoint_dir(tmp_path, 4)
-    good.mkdir(parents=True)
-    (good / checkpoint.TRAINER_STATE).write_text("{}")
+    good = _sealed_checkpoint(tmp_path, 4)
+    assert checkpoint.latest_checkpoint(tmp_path) == (good, [])
     (root / ".tmp-step-00000008-123").mkdir()  # a crash mid-write leaves only a temporary name
-    (root / "step-00000009").mkdir()  # no trainer state: not complete
-    assert checkpoint.latest_checkpoint(tmp_path) == good
+    (root / "step-00000009").mkdir()  # no manifest: never sealed
+    truncated = _sealed_checkpoint(tmp_path, 10)
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    flipped = _sealed_checkpoint(tmp_path, 11)
+    data = bytearray((flipped / "model.safetensors").read_bytes())
+    data[500] ^= 1
+    (flipped / "model.safetensors").write_bytes(data)
+    torn_state = _sealed_checkpoint(tmp_path, 12)
+    (torn_state / checkpoint.TRAINER_STATE).write_text('{"step": 1')
+    found, rejected = checkpoint.latest_checkpoint(tmp_path)
+    assert found == good
+    assert rejected == [
+        f"step-00000012: {checkpoint.TRAINER_STATE} has 10 bytes, not {len(json.dumps({'step': 12, 'model': 'm'}))}",
+        "step-00000011: model.safetensors does not match its checksum",
+        "step-00000010: model.safetensors has 100 bytes, not 10240",
+        f"step-00000009: no readable {checkpoint.MANIFEST} (FileNotFoundError)",
+    ]
+    assert checkpoint.clean_leftovers(tmp_path) == [root / ".tmp-step-00000008-123"]
+
+
+def test_resume_errors_are_one_line(tmp_path):
+    job = JobOptions(model="m", data="d", output=str(tmp_path), steps=8, resume=True)
+    with pytest.raises(XronosError, match="no usable checkpoint under"):
+        checkpoint.resume_point(tmp_path, job)
+    _sealed_checkpoint(tmp_path, 4)
+    assert checkpoint.resume_point(tmp_path, job).name == "step-00000004"
+    with pytest.raises(XronosError, match="--steps 4 is not beyond the checkpoint's step 4"):
+        checkpoint.resume_point(tmp_path, job.model_copy(update={"steps": 4}))
+    with pytest.raises(XronosError, match="was trained from --model m, not other"):
+        checkpoint.resume_point(tmp_path, job.model_copy(update={"model": "other"}))
 
 
 def test_publish_keeps_the_old_directory_until_the_new_one_is_in_place(tmp_path):

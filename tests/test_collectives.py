@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from edge_node.tp.comm import CLOCK, all_reduce, time_collectives, use_holders, use_hub
+from edge_node.tp.comm import all_reduce, broadcast_bytes, time_collectives
+from edge_node.tp.context import TPContext
 from edge_node.worker_process import free_port
 
 SHAPES = [(1,), (7, 5), (3, 128, 24)]
@@ -22,22 +23,24 @@ SHAPES = [(1,), (7, 5), (3, 128, 24)]
 def _ranks(rank: int, world: int, port: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        out = {}
+        out, tp = {}, TPContext()
         for hub in range(world):
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
                 for shape in SHAPES:
                     gen = torch.Generator().manual_seed(1000 * rank + len(shape))
                     x = torch.randn(shape, generator=gen)
                     ring = x.clone()
-                    use_hub(None)
-                    all_reduce(ring, op=op)
-                    use_hub(hub)
-                    through_hub = all_reduce(x.clone(), op=op)
+                    tp.hub = None
+                    all_reduce(ring, tp, op=op)
+                    tp.hub = hub
+                    through_hub = all_reduce(x.clone(), tp, op=op)
                     out[(hub, str(op), shape)] = (ring, through_hub)
-        use_hub(None)
-        calls = CLOCK.calls
+        tp.hub = None
+        calls = tp.clock.calls
         out["timings"] = time_collectives(4096, hub=world - 1, trials=3)
-        out["untimed"] = CLOCK.calls == calls
+        out["untimed"] = tp.clock.calls == calls
+        # rank 0's bytes reach every rank as bytes (no pickle), empty ones too
+        out["bytes"] = [broadcast_bytes(payload if rank == 0 else None) for payload in (b'{"a": [1.5]}', b"")]
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -62,6 +65,7 @@ def test_hub_all_reduce_equals_ring_on_every_rank(world):
     timings = {results[rank]["timings"] for rank in range(world)}
     assert len(timings) == 1 and all(t > 0 for t in timings.pop())
     assert all(results[rank]["untimed"] for rank in range(world))
+    assert all(results[rank]["bytes"] == [b'{"a": [1.5]}', b""] for rank in range(world))
 
 
 HOLDER_SETS = [(0,), (1,), (2,), (0, 2), (1, 2)]
@@ -70,24 +74,24 @@ HOLDER_SETS = [(0,), (1,), (2,), (0, 2), (1, 2)]
 def _holders_ranks(rank: int, world: int, port: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        out = {}
+        out, tp = {}, TPContext()
         for hub in (None, 0, 2):
             for holders in HOLDER_SETS:
                 x = torch.randn(3, 128, 24, generator=torch.Generator().manual_seed(rank))
-                use_hub(hub)
-                use_holders({"mlp_columns": holders})
+                tp.hub, tp.holders = hub, {"mlp_columns": holders}
                 # A rank without a share adds zeros; where it is left out (the hub, or one holder's
                 # broadcast; the ring keeps its zeros) it gets garbage instead, to see it is.
                 left_out = hub is not None or len(holders) == 1
                 skipped = all_reduce(
-                    x.clone() if rank in holders else torch.full_like(x, 1e6 if left_out else 0.0), closes="mlp_columns"
+                    x.clone() if rank in holders else torch.full_like(x, 1e6 if left_out else 0.0),
+                    tp,
+                    closes="mlp_columns",
                 )
-                use_holders({})
-                full = all_reduce(x.clone() if rank in holders else torch.zeros_like(x), closes="mlp_columns")
+                tp.holders = {}
+                full = all_reduce(x.clone() if rank in holders else torch.zeros_like(x), tp, closes="mlp_columns")
                 out[(hub, holders)] = (skipped, full)
         results[rank] = out
     finally:
-        use_holders({})
         dist.destroy_process_group()
 
 

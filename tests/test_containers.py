@@ -38,7 +38,7 @@ COMPOSE_ENV = {
         "XRONOS_PASSWORD_NODE_C",
         "GRAFANA_ADMIN_PASSWORD",
     )
-} | {"XRONOS_MOSQUITTO_PASSWD": "./deploy/mosquitto/passwd"}
+} | {"XRONOS_MOSQUITTO_PASSWD": "./deploy/mosquitto/passwd", "XRONOS_CERTS": "./deploy/mosquitto/certs"}
 
 
 def compose_services() -> dict:

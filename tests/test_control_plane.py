@@ -412,8 +412,8 @@ def test_controller_and_node_drop_forgeries_and_reconnect_on_an_open_broker(open
         assert all(m is None for m in seen)
         # a command naming a node that does not exist fails the job; the controller goes on
         forger.publish(wire.TRAIN, "", wire.TrainCommand(job_id="j-missing", job=job, nodes=["gw-9"]))
-        wait_for(lambda: "j-missing" in controller.finished, 10, "the failed job")
-        assert "gw-9 is unknown" in controller.finished["j-missing"].reason
+        wait_for(lambda: "j-missing" in controller.rejected, 10, "the rejected job")
+        assert "gw-9 is unknown" in controller.rejected["j-missing"].reason
 
         # the broker goes away and comes back on the same port: both reconnect by themselves
         broker.stop()

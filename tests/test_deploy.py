@@ -10,13 +10,17 @@ containers, an unreachable device reported while the others are deployed, and
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 from docker_engine import Engine
 
 from xronos.cli import main
+from xronos.contract.errors import XronosError
 
 PASSWORDS = {
     "XRONOS_PASSWORD_PYTEST_A": "pw-a-4c1f9e",
@@ -215,7 +219,15 @@ BAD_INVENTORIES = [
     ),
     (
         "broker: mqtts://b:8883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n",
-        "broker 'mqtts://b:8883': use mqtt://host:port (TLS for the broker is not supported yet)",
+        "an mqtts:// broker needs mqtt_certs (the folder deploy/mosquitto/make-certs.sh wrote)",
+    ),
+    (
+        "broker: mqtt://n0:hunter2@b:1883\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n",
+        "bad broker URL 'mqtt://n0:***@b:1883': credentials do not go in the URL",
+    ),
+    (
+        "broker: ws://b\ndevices:\n  - {name: a, base_url: 'ssh://h'}\n",
+        "bad broker URL 'ws://b': use mqtts://host:8883 (TLS) or mqtt://host:1883",
     ),
     ("broker: mqtt://b:1883\ndevices: []\n", "devices: List should have at least 1 item"),
     ("devices:\n  - {name: a, base_url: 'ssh://h'}\n", "broker: Field required"),
@@ -238,3 +250,38 @@ def test_a_missing_inventory_is_one_line(tmp_path, capsys):
     assert code == 2 and err == [
         f"xronos: error: cannot read the inventory '{tmp_path / 'nope.yaml'}': No such file or directory"
     ]
+
+
+def test_an_mqtts_inventory_hands_the_node_its_tls_files_as_secrets(tmp_path, monkeypatch, capsys):
+    """With the TLS broker: the node's CA, certificate and key (make-certs.sh) go into the same
+    0400 secret files as the password, named by XRONOS_*_FILE variables, never by their content."""
+    import tarfile
+
+    from xronos.deploy import _secret_tar, node_environment, read_tls_files
+    from xronos.inventory import load_inventory
+
+    make_certs = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto" / "make-certs.sh"
+    subprocess.run(["sh", str(make_certs), str(tmp_path / "certs"), "gw-1"], check=True, capture_output=True)
+    path = tmp_path / "devices.yaml"
+    path.write_text(
+        "broker: mqtts://10.0.0.1:8883\nmqtt_certs: certs\ndevices:\n  - {name: gw-1, base_url: 'unix:///nope.sock'}\n"
+    )
+    inventory = load_inventory(path)
+    device = inventory.devices[0]
+    env = node_environment(inventory, device)
+    assert env["XRONOS_BROKER"] == "mqtts://10.0.0.1:8883"
+    assert env["XRONOS_CA_FILE"] == "/run/secrets/xronos-mqtt-ca.crt"
+    assert env["XRONOS_CERT_FILE"] == "/run/secrets/xronos-mqtt-client.crt"
+    assert env["XRONOS_KEY_FILE"] == "/run/secrets/xronos-mqtt-client.key"
+    files = read_tls_files(inventory, device)
+    assert files["xronos-mqtt-client.key"] == (tmp_path / "certs" / "gw-1.key").read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(_secret_tar("pw", "10001:10001", files))) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert set(members) == {"xronos-mqtt-password", *files}
+    assert all(m.mode == 0o400 and m.uid == 10001 for m in members.values())
+    monkeypatch.setenv("XRONOS_PASSWORD_GW_1", "s3cret-gw")
+    code, out, err = run(["deploy", "--inventory", str(path), "--dry-run"], capsys)
+    assert "tls       CA, certificate and key from" in out and "s3cret-gw" not in out + "".join(err)
+    (tmp_path / "certs" / "gw-1.key").unlink()
+    with pytest.raises(XronosError, match="gw-1.key.*make-certs.sh"):
+        read_tls_files(inventory, device)

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from edge_node.model_io import SafetensorsReader, full_param_shapes, load_config, load_shard
 from edge_node.reshard import moves, reshard_tensors
+from edge_node.tp.context import TPContext
 from edge_node.tp.plan import Slice, param_slice
 from edge_node.worker_process import free_port
 from xronos.contract.splits import ModelDims, ShardSplit
@@ -95,7 +96,7 @@ def _ranks(rank: int, world: int, port: int, directory: str, splits: list[dict],
         split = ShardSplit(**splits[0])
         held = {
             name: [p.detach(), *(part(_moment(full[name], k), name, split) for k in range(2))]
-            for name, p in load_shard(directory, split, rank).named_parameters()
+            for name, p in load_shard(directory, split, rank, TPContext()).named_parameters()
         }
         checks = []
         for nxt in splits[1:]:
@@ -108,7 +109,7 @@ def _ranks(rank: int, world: int, port: int, directory: str, splits: list[dict],
                 rank,
                 world,
             )
-            loaded = dict(load_shard(directory, new, rank).named_parameters())
+            loaded = dict(load_shard(directory, new, rank, TPContext()).named_parameters())
             for name, param in loaded.items():
                 value, *state = held[name]
                 checks.append(

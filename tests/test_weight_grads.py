@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from edge_node.tp.weight_grads import WEIGHT_GRADS, RowsWeightGradLaterLinear, WeightGradQueue, weight_grads_later
+from edge_node.tp.weight_grads import RowsWeightGradLaterLinear, WeightGradQueue, weight_grads_later
 
 
 def test_later_weight_grads_equal_autograd_ones():
@@ -14,9 +14,10 @@ def test_later_weight_grads_equal_autograd_ones():
     accumulating: the queued products give autograd's gradients once flushed (outside any backward
     pass, as the last layer's attention products are), and none before."""
     torch.manual_seed(0)
+    queue = WeightGradQueue()
     for bias, width in ((True, 5), (False, 5), (True, 0)):
         plain = nn.Linear(7, width, bias=bias)
-        later = weight_grads_later(nn.Linear(7, width, bias=bias))
+        later = weight_grads_later(nn.Linear(7, width, bias=bias), queue)
         later.load_state_dict(plain.state_dict())
         x = torch.randn(2, 3, 7, requires_grad=True)
         x_later = x.detach().clone().requires_grad_(True)
@@ -25,7 +26,7 @@ def test_later_weight_grads_equal_autograd_ones():
             (later(x_later).tanh().sum()).backward()
             if width:
                 assert later.weight.grad is None or not torch.equal(later.weight.grad, plain.weight.grad)
-            WEIGHT_GRADS.flush()
+            queue.flush()
         torch.testing.assert_close(x_later.grad, x.grad)
         torch.testing.assert_close(later.weight.grad, plain.weight.grad)
         assert not later.weight.grad.requires_grad  # a flush outside backward builds no graph
@@ -66,9 +67,10 @@ def test_lm_head_rows_later_give_autograd_gradients():
     """Some or all rows' products later, in more pieces than rows, a tied weight that also gets an
     embedding's gradient: once flushed, autograd's gradients; before, none for the later rows."""
     torch.manual_seed(0)
+    queue = WeightGradQueue()
     for later_rows, pieces in ((3, 2), (5, 8)):
         plain = nn.Linear(4, 5, bias=False)
-        later = RowsWeightGradLaterLinear(4, 5, later_rows, pieces)
+        later = RowsWeightGradLaterLinear(4, 5, later_rows, pieces, queue)
         later.load_state_dict(plain.state_dict())
         ids = torch.tensor([[0, 4, 2]])
         for head in (plain, later):
@@ -76,9 +78,9 @@ def test_lm_head_rows_later_give_autograd_gradients():
                 1, 3, 4, generator=torch.Generator().manual_seed(1)
             )
             head(x).softmax(-1)[..., 1].sum().backward()
-        assert len(WEIGHT_GRADS.spread) == min(later_rows, pieces)
+        assert len(queue.spread) == min(later_rows, pieces)
         assert not torch.allclose(later.weight.grad[:later_rows], plain.weight.grad[:later_rows])
-        WEIGHT_GRADS.flush()
+        queue.flush()
         torch.testing.assert_close(later.weight.grad, plain.weight.grad)
     with pytest.raises(ValueError, match="later rows 6 of 5"):
-        RowsWeightGradLaterLinear(4, 5, 6, 2)
+        RowsWeightGradLaterLinear(4, 5, 6, 2, queue)

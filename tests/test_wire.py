@@ -189,6 +189,7 @@ def test_topic_names_follow_the_contract():
 
 
 def test_a_training_assignment_must_be_complete_and_consistent():
+    """Rejected at decode, before a node's worker indexes a list with it (`RankAssignment`)."""
     job = JobOptions(model="m", data="d", output="o")
     split = ShardSplit(kv_groups=[1, 1], mlp_columns=[64, 64], vocab_rows=[10, 10])
     good = dict(
@@ -203,7 +204,22 @@ def test_a_training_assignment_must_be_complete_and_consistent():
         split=split,
     )
     wire.ASSIGNMENT.decode(wire.Assignment(**good).model_dump_json().encode())
-    for broken in ({"rank": 2}, {"master_port": None}, {"split": None}, {"stages": [(0, 1), (1, 2)]}):
+    pipeline = {**good, "split": None, "stages": [(0, 3), (3, 4)]}
+    wire.ASSIGNMENT.decode(wire.Assignment(**pipeline).model_dump_json().encode())
+    three = {"kv_groups": [1, 1, 0], "mlp_columns": [64, 32, 32], "vocab_rows": [10, 5, 5]}
+    for broken in (
+        {"rank": 2},
+        {"master_port": None},
+        {"split": None},
+        {"stages": [(0, 1), (1, 2)]},
+        {"world_size": 3},  # the split is for 2: rank 2 would index past it
+        {"split": three},
+        {"profiles": []},
+        {"phase": "profile"},
+        {"split": None, "stages": [(0, 3)]},
+        {"split": None, "stages": [(0, 3), (2, 4)]},
+        {"split": None, "stages": [(1, 3), (3, 4)]},
+    ):
         with pytest.raises(wire.WireError):
             wire.ASSIGNMENT.decode(
                 json.dumps({**json.loads(wire.Assignment.model_construct(**good).model_dump_json()), **broken}).encode()

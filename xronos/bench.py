@@ -86,7 +86,7 @@ def bench_runs(modes: list[str], pp_micro_batches: list[int] | None) -> list[tup
     shrink the bubble but make every matmul and message smaller), so the bench tunes it
     the direct way: by running each.
     """
-    runs = []
+    runs: list[tuple[str, str, int | None]] = []
     for mode in modes:
         if mode == "pp" and pp_micro_batches and len(pp_micro_batches) > 1:
             runs += [(f"pp m={m}", mode, m) for m in pp_micro_batches]

@@ -2,9 +2,11 @@
 
 Production uses Mosquitto (`deploy/mosquitto/`). amqtt speaks MQTT 3.1.1 only
 (so every Xronos client does) and binds 0.0.0.0 by default, so this binds
-loopback unless told otherwise. With a username and password (flags or
-`XRONOS_USERNAME` / `XRONOS_PASSWORD`), clients must present them; the
-credentials stay in memory. It has no topic ACLs: on a shared network, use
+loopback unless told otherwise. With a username (`--username` or
+`XRONOS_USERNAME`) and a password (`XRONOS_PASSWORD` or `--password-file` /
+`XRONOS_PASSWORD_FILE`: never a flag, which `ps` would show), clients must
+present them; the credentials stay in memory and are never logged. No TLS:
+it is for one machine's loopback. It has no topic ACLs: on a shared network, use
 Mosquitto with the deploy/ ACLs.
 """
 
@@ -67,8 +69,9 @@ class EmbeddedBroker:
         self._thread.start()
 
         async def start():
-            self._broker = Broker(broker_config(self.host, self.port, self.users), loop=self._loop)
-            await self._broker.start()
+            broker = Broker(broker_config(self.host, self.port, self.users), loop=self._loop)
+            self._broker = broker
+            await broker.start()
 
         try:
             asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=30)

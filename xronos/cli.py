@@ -1,4 +1,4 @@
-"""The `xronos` command line (contract in DESIGN.md).
+"""The `xronos` command line (docs/command-line.md).
 
 Every user mistake becomes one line `xronos: error: ...` and a non-zero exit;
 heavy imports (torch, transformers) happen inside the subcommands so that
@@ -8,15 +8,63 @@ heavy imports (torch, transformers) happen inside the subcommands so that
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from xronos import __version__
+from xronos.contract import job as limits
 from xronos.contract.errors import XronosError
 from xronos.contract.job import MODES
-from xronos.contract.splits import parse_split
+from xronos.contract.splits import SPLIT_KEYS, parse_split
+
+MAX_NODES = 256
+"""Emulated devices of `xronos run`/`bench`: one process each; the planner is exact for tens."""
+MIN_SPEED, MAX_SPEED = 0.001, 1024.0
+"""A CPU quota's range: 1 ms of each 1 s period (the kernel's longest period), up to 1,024 cores."""
+MAX_THREADS = 1024
+MAX_SECONDS = 86_400.0
+"""Heartbeat periods and timeouts, listening and waiting: a day at most."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the one-line error of every other mistake: `xronos: error: ...`, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"xronos: error: {message} (see {self.prog} --help)\n")
+
+
+def _whole(low: int, high: int):
+    """An argparse type: a whole number in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low:,} to {high:,}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _real(low: float, high: float, low_open: bool = True):
+    """An argparse type: a finite number in (low, high] (or [low, high]); never nan or inf."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not (low < value if low_open else low <= value) or value > high:
+            bound = f"over {low:g}" if low_open else f"from {low:g}"
+            raise argparse.ArgumentTypeError(f"expected a number {bound} up to {high:g}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _numbers(text: str, kind=float) -> list:
@@ -26,10 +74,21 @@ def _numbers(text: str, kind=float) -> list:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _speeds(text: str) -> list[float]:
+    """Device speeds, 1 = one full core: finite, within what a CPU quota can emulate."""
+    speeds = _numbers(text)
+    bad = next((x for x in speeds if not (math.isfinite(x) and MIN_SPEED <= x <= MAX_SPEED)), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(
+            f"speeds must be numbers from {MIN_SPEED:g} to {MAX_SPEED:g} (1 = one full core), got {text!r}"
+        )
+    return speeds
+
+
 def _positive_ints(text: str) -> list[int]:
     numbers = _numbers(text, int)
-    if min(numbers) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive whole numbers, got {text!r}")
+    if min(numbers) < 1 or max(numbers) > limits.MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"expected whole numbers from 1 to {limits.MAX_BATCH:,}, got {text!r}")
     return numbers
 
 
@@ -48,7 +107,7 @@ def _fraction(text: str) -> float:
         value = float(text)
     except ValueError:
         value = None
-    if value is None or not 0.0 <= value < 1.0:
+    if value is None or not 0.0 <= value < 1.0:  # nan fails both comparisons
         raise argparse.ArgumentTypeError(f"expected a fraction from 0 up to 1, got {text!r}")
     return value
 
@@ -63,20 +122,34 @@ def _split(text: str) -> dict[str, list]:
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
     p.add_argument("--data", required=True, help='JSONL of {"input_ids": [...]} rows, or a text file')
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (divides --batch-size)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=_whole(1, limits.MAX_STEPS), default=10)
+    p.add_argument("--batch-size", type=_whole(1, limits.MAX_BATCH), default=8, help="rows per optimizer step")
+    p.add_argument(
+        "--grad-accum",
+        type=_whole(1, limits.MAX_BATCH),
+        default=1,
+        help="micro-batches per step (divides --batch-size)",
+    )
+    p.add_argument("--seq-len", type=_whole(2, limits.MAX_SEQ_LEN), default=128)
+    p.add_argument("--lr", type=_real(0.0, limits.MAX_LR), default=1e-4)
+    p.add_argument("--seed", type=_whole(-limits.MAX_SEED, limits.MAX_SEED), default=0)
     p.add_argument("--no-shuffle", action="store_true", help="step k uses rows k*B .. k*B+B-1")
     p.add_argument("--output", required=True, help="directory for the fine-tuned model and checkpoints")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=_whole(0, limits.MAX_EVERY),
+        default=0,
+        help="checkpoint every N steps (0: final only)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
-    p.add_argument("--micro-batches", type=int, help="pp mode: micro-batches per step (default: --batch-size)")
+    p.add_argument(
+        "--micro-batches",
+        type=_whole(1, limits.MAX_BATCH),
+        help="pp mode: micro-batches per step (default: --batch-size)",
+    )
     p.add_argument(
         "--replan-after",
-        type=int,
+        type=_whole(0, limits.MAX_EVERY),
         default=2,
         help="xronos mode: check the split against the measured compute every this many timed steps "
         "(re-shard for a predicted 3%% gain, or 1%% that two checks in a row find; at most 8 checks, "
@@ -114,11 +187,40 @@ def _job_from_args(args):
     )
 
 
+def _check_cluster_args(args, speeds: list[float] | None) -> None:
+    """What `xronos run` and `bench` options must agree on, before anything is loaded."""
+    if speeds is not None and len(speeds) != args.nodes:
+        raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {args.nodes}")
+    split = getattr(args, "split", None) or {}
+    names = {dim: key for key, dim in SPLIT_KEYS.items()}
+    if split and args.mode == "single":
+        raise XronosError("--split is for modes tp, xronos and pp (single trains one unsplit rank)")
+    for dim, values in split.items():
+        if len(values) != args.nodes:
+            key = names.get(dim, dim)
+            raise XronosError(
+                f"--split {key} lists {len(values)} sizes for --nodes {args.nodes}: give one entry per rank"
+            )
+    port = getattr(args, "metrics_port", None)
+    if port is not None and port + args.nodes - 1 > 65535:
+        raise XronosError(f"--metrics-port {port} leaves no port for device {args.nodes - 1} (PORT+d up to 65535)")
+
+
+def _remove_leftovers() -> None:
+    """What a killed `xronos run` left behind (its temporary directory, its CPU quota groups)."""
+    from edge_node.cleanup import remove_stale_cgroups, remove_stale_run_dirs
+
+    remove_stale_run_dirs()
+    remove_stale_cgroups("xronos-")
+
+
 def cmd_run(args) -> int:
     from edge_node.launcher import run_local
     from xronos.summary import print_report
 
+    _check_cluster_args(args, args.speeds)
     job = _job_from_args(args)
+    _remove_leftovers()
     report = run_local(
         job,
         args.nodes,
@@ -225,6 +327,7 @@ def cmd_schema(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from edge_node.preflight import job_inputs
     from xronos.bench import print_bench, run_bench, save_json, write_chart
     from xronos.contract.job import MODES
 
@@ -233,12 +336,15 @@ def cmd_bench(args) -> int:
     if unknown:
         raise XronosError(f"unknown mode {unknown[0]!r} in --modes (choose from {', '.join(MODES)})")
     speeds = args.speeds or [1.0] * args.nodes
-    if len(speeds) != args.nodes:
-        raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {args.nodes}")
     args.mode = modes[0]
+    _check_cluster_args(args, speeds)
     base = _job_from_args(args)
     if args.rounds < 1:
         raise XronosError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds > 1000:
+        raise XronosError(f"--rounds must be at most 1,000, got {args.rounds}")
+    _remove_leftovers()
+    job_inputs(base)
     if args.quiet:  # the held-out evaluation loads each model here: no loading bars either
         from transformers.utils import logging as hf_logging
 
@@ -280,11 +386,20 @@ def cmd_demo(args) -> int:
     return run_demo(workdir=args.workdir, steps=args.steps, speeds=args.speeds, metrics_port=args.metrics_port)
 
 
+BROKER_FLAGS = ("broker", "username", "password_file", "ca_file", "cert_file", "key_file")
+
+
 def _settings(args):
+    """The broker settings: flags over `XRONOS_*` variables; a password only from the environment or a file."""
     from xronos.contract.mqtt import BrokerSettings
 
-    given = {k: v for k, v in (("broker", args.broker), ("username", args.username), ("password", args.password)) if v}
-    return BrokerSettings(**given)
+    if getattr(args, "password", None) is not None:
+        raise XronosError(
+            "--password would show the password in the process list and shell history: "
+            "set XRONOS_PASSWORD or give --password-file FILE"
+        )
+    given = {k: getattr(args, k, None) for k in BROKER_FLAGS}
+    return BrokerSettings(**{k: v for k, v in given.items() if v})
 
 
 def _log_to_stderr(args) -> None:
@@ -302,15 +417,17 @@ def cmd_broker(args) -> int:
     import threading
 
     from xronos.broker import EmbeddedBroker
+    from xronos.contract.mqtt import read_password
 
     _log_to_stderr(args)
     args.broker = None
     settings = _settings(args)
     username = settings.username
-    password = settings.password.get_secret_value() if settings.password else None
+    password = read_password(settings)
     if bool(username) != bool(password):
-        raise XronosError("give both --username and --password (or neither)")
-    broker = EmbeddedBroker(args.host, args.port, {username: password} if username else None).start()
+        raise XronosError("give both --username and a password (XRONOS_PASSWORD or --password-file), or neither")
+    users = {username: password} if username and password else None
+    broker = EmbeddedBroker(args.host, args.port, users).start()
     print(
         f"xronos broker listening on {args.host}:{broker.port} (MQTT 3.1.1"
         f"{', password required' if username else ', anonymous'})",
@@ -329,7 +446,10 @@ def cmd_controller(args) -> int:
 
     _log_to_stderr(args)
     options = ControllerOptions(
-        metrics_port=args.metrics_port, state_dir=args.state_dir, heartbeat_timeout=args.heartbeat_timeout
+        metrics_port=args.metrics_port,
+        state_dir=args.state_dir,
+        heartbeat_timeout=args.heartbeat_timeout,
+        keep_jobs=args.keep_jobs,
     )
     return run_controller(options, _settings(args))
 
@@ -366,7 +486,7 @@ def cmd_train(args) -> int:
     if status is None:
         print(f"submitted job {command.job_id}; follow it with: xronos status")
         return 0
-    if status.state != "completed":
+    if status.state != "completed" or status.report is None or status.output is None:
         raise XronosError(f"job {command.job_id} {status.state}: {status.reason}")
     if args.report:
         Path(args.report).write_text(status.report.model_dump_json(indent=2))
@@ -404,28 +524,46 @@ def _add_service_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true")
 
 
+def _add_password_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The password from a file or XRONOS_PASSWORD; `--password` is kept only to refuse it clearly."""
+    p.add_argument(
+        "--password-file",
+        type=Path,
+        metavar="FILE",
+        help="read the MQTT password from FILE (env XRONOS_PASSWORD_FILE; or the password in XRONOS_PASSWORD)",
+    )
+    p.add_argument("--password", help=argparse.SUPPRESS)
+
+
 def _add_broker_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", help="mqtt://host:port (env XRONOS_BROKER; default mqtt://127.0.0.1:1883)")
-    p.add_argument("--username", help="MQTT username (env XRONOS_USERNAME)")
-    p.add_argument("--password", help="MQTT password (env XRONOS_PASSWORD)")
+    g = p.add_argument_group("broker connection (flags win over XRONOS_* variables)")
+    g.add_argument(
+        "--broker",
+        help="mqtts://host:8883 (TLS) or mqtt://host:1883 (env XRONOS_BROKER; default mqtt://127.0.0.1:1883)",
+    )
+    g.add_argument("--username", help="MQTT username (env XRONOS_USERNAME)")
+    _add_password_options(g)
+    g.add_argument("--ca-file", type=Path, metavar="FILE", help="with mqtts://: the broker's CA (env XRONOS_CA_FILE)")
+    g.add_argument(
+        "--cert-file", type=Path, metavar="FILE", help="with mqtts://: this client's certificate (env XRONOS_CERT_FILE)"
+    )
+    g.add_argument("--key-file", type=Path, metavar="FILE", help="with mqtts://: its private key (env XRONOS_KEY_FILE)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="xronos", description="Heterogeneity-aware tensor-parallel fine-tuning on CPU edge devices."
-    )
+    parser = _Parser(prog="xronos", description="Heterogeneity-aware tensor-parallel fine-tuning on CPU edge devices.")
     parser.add_argument("--version", action="version", version=f"xronos {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a whole job on this machine, one worker process per emulated device")
     _add_job_options(run)
-    run.add_argument("--nodes", type=int, default=3, help="number of emulated devices")
-    run.add_argument("--speeds", type=_numbers, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
+    run.add_argument("--nodes", type=_whole(1, MAX_NODES), default=3, help="number of emulated devices")
+    run.add_argument("--speeds", type=_speeds, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
     run.add_argument("--mode", choices=MODES, default="xronos")
     run.add_argument(
         "--split", type=_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)"
     )
-    run.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    run.add_argument("--threads", type=_whole(1, MAX_THREADS), default=1, help="torch threads per worker")
     run.add_argument("--report", help="write the JSON report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument(
@@ -465,8 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="the modes side by side on one emulated cluster (table, chart, perplexity)")
     _add_job_options(bench)
-    bench.add_argument("--nodes", type=int, default=3)
-    bench.add_argument("--speeds", type=_numbers)
+    bench.add_argument("--nodes", type=_whole(1, MAX_NODES), default=3)
+    bench.add_argument("--speeds", type=_speeds)
     bench.add_argument("--modes", default="xronos,tp,single", help="comma-separated modes to compare")
     bench.add_argument(
         "--pp-micro-batches",
@@ -481,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the table shows each mode's median round and the ratios round by round",
     )
     bench.add_argument("--eval-data", help="held-out data (same format as --data) for perplexity before and after")
-    bench.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate")
+    bench.add_argument("--eval-rows", type=_whole(1, 1_000_000), default=64, help="held-out rows to evaluate")
     bench.add_argument("--json", help="write every mode's report and the perplexities here")
     bench.add_argument("--chart", help="write a PNG chart here")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -496,24 +634,40 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     broker.add_argument("--port", type=int, default=1883)
     broker.add_argument("--username", help="require this username (env XRONOS_USERNAME)")
-    broker.add_argument("--password", help="and this password (env XRONOS_PASSWORD)")
+    _add_password_options(broker)
     broker.add_argument("--verbose", action="store_true")
     broker.set_defaults(func=cmd_broker)
 
     ctl = sub.add_parser("controller", help="the control plane: node registry, planning, assignments, jobs")
     _add_service_options(ctl)
     ctl.add_argument("--state-dir", type=Path, help="keep finished jobs' statuses and reports here")
-    ctl.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a node is lost")
+    ctl.add_argument(
+        "--heartbeat-timeout",
+        type=_real(0.1, MAX_SECONDS, low_open=False),
+        default=10.0,
+        help="seconds of silence before a node is lost",
+    )
+    ctl.add_argument(
+        "--keep-jobs",
+        type=_whole(1, 100_000),
+        default=100,
+        help="finished jobs whose status (retained) and report (in --state-dir) are kept; "
+        "older ones are removed, and their ids can be used again",
+    )
     ctl.set_defaults(func=cmd_controller)
 
     node = sub.add_parser("node", help="the device agent: profile, heartbeat, train assigned shards")
     _add_service_options(node)
     node.add_argument("--node-id", required=True, help="this device's id ([A-Za-z0-9_-], also its MQTT username)")
-    node.add_argument("--speed", type=float, help="emulate a device of this CPU speed (1 = one full core)")
+    node.add_argument(
+        "--speed",
+        type=_real(MIN_SPEED, MAX_SPEED, low_open=False),
+        help="emulate a device of this CPU speed (1 = one full core)",
+    )
     node.add_argument("--address", help="address other nodes reach this one at (default: the one facing the broker)")
-    node.add_argument("--threads", type=int, default=1, help="torch threads for training")
+    node.add_argument("--threads", type=_whole(1, MAX_THREADS), default=1, help="torch threads for training")
     node.add_argument("--workdir", type=Path, help="scratch space (default ~/.cache/xronos/nodes/<id>)")
-    node.add_argument("--heartbeat-seconds", type=float, default=2.0)
+    node.add_argument("--heartbeat-seconds", type=_real(0.1, 3600.0, low_open=False), default=2.0)
     node.set_defaults(func=cmd_node)
 
     train = sub.add_parser("train", help="trigger a training job by MQTT command")
@@ -523,7 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nodes", help="comma-separated node ids (default: every idle online node)")
     train.add_argument("--job-id", help="default: job-<date>-<time>-<random>")
     train.add_argument("--wait", action="store_true", help="follow the job; exit 0 only if it completed")
-    train.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
+    train.add_argument(
+        "--timeout", type=_real(0.0, 10 * MAX_SECONDS), help="with --wait: give up after this many seconds"
+    )
     train.add_argument("--report", help="with --wait: write the job's JSON report here")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
@@ -531,15 +687,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="nodes (speed, state, last heartbeat) and jobs")
     _add_broker_options(status)
     status.add_argument("--json", action="store_true")
-    status.add_argument("--listen", type=float, default=2.5, help="seconds to listen for heartbeats")
+    status.add_argument("--listen", type=_real(0.0, 3600.0), default=2.5, help="seconds to listen for heartbeats")
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser(
         "demo", help="one command, one machine: a small job on 3 emulated devices, even vs speed-aware"
     )
     demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")
-    demo.add_argument("--steps", type=int, default=8)
-    demo.add_argument("--speeds", type=_numbers, default=[1.0, 0.5, 0.25])
+    demo.add_argument("--steps", type=_whole(1, limits.MAX_STEPS), default=8)
+    demo.add_argument("--speeds", type=_speeds, default=[1.0, 0.5, 0.25])
     demo.add_argument(
         "--metrics-port",
         type=_port,

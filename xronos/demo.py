@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 from controller.service import Controller, ControllerOptions
 from edge_node.toy_model import make_data, make_model
@@ -31,7 +32,17 @@ from xronos.contract.mqtt import BrokerSettings
 from xronos.operator import submit
 from xronos.summary import print_report, print_side_by_side
 
-DEMO_MODEL = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=2048)
+
+class _ModelSizes(TypedDict):
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+DEMO_MODEL: _ModelSizes = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=2048)
 SEQ_LEN, BATCH = 64, 8
 DEMO_USER, DEMO_PASSWORD = "xronos-demo", "demo-only-password"
 
@@ -56,6 +67,8 @@ def _start_node(
         "--metrics-port",
         str(metrics_port),
     ]
+    if settings.username is None or settings.password is None:
+        raise XronosError("the demo's nodes need the broker's username and password")
     env_auth = {"XRONOS_USERNAME": settings.username, "XRONOS_PASSWORD": settings.password.get_secret_value()}
     return subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_auth}, preexec_fn=die_with_parent
@@ -148,8 +161,11 @@ def run_demo(
                 command = wire.TrainCommand(job_id=f"demo-{mode}-{int(time.time())}", job=job, nodes=node_ids)
                 print(f"\ndemo: publishing xronos/cmd/train for job {command.job_id} (mode {mode})", flush=True)
                 status = submit(settings, command, wait=True, timeout=600)
+                assert status is not None  # with wait, submit returns the final status (or raises)
                 if status.state != "completed":
                     raise XronosError(f"job {command.job_id} {status.state}: {status.reason}")
+                if status.report is None:
+                    raise XronosError(f"job {command.job_id} completed without a report")
                 print_report(status.report)
                 reports.append(status.report)
             print_side_by_side(reports)

@@ -4,10 +4,12 @@ One node container per device (`xronos-node-<node id>`), made with the
 `docker` SDK against the device's `base_url` from the inventory
 (`xronos.inventory`): host networking (the collectives connect on ports
 picked at run time), the device's CPU and memory limits, its restart policy,
-the broker's address and the node's MQTT identity. The password is written
-into the created container as a file (/run/secrets, read through
-XRONOS_PASSWORD_FILE) before it starts: it is on no command line, in no
-environment value that `docker inspect` shows, and in no log line.
+the broker's address and the node's MQTT identity. The password (and, for
+an mqtts:// broker, the CA, the node's certificate and its key) is written
+into the created container as files (/run/secrets, read through
+XRONOS_PASSWORD_FILE, XRONOS_CA_FILE, XRONOS_CERT_FILE, XRONOS_KEY_FILE)
+before it starts: it is on no command line, in no environment value that
+`docker inspect` shows, and in no log line.
 
 `up` replaces each device's container (a rollout is repeatable), `status`
 shows them, `remove` stops and removes them (volumes stay). A device that
@@ -78,6 +80,8 @@ def node_environment(inventory: Inventory, device: Device) -> dict[str, str]:
         "XRONOS_USERNAME": device.username or device.node,
         "XRONOS_PASSWORD_FILE": f"{SECRET_DIR}/{SECRET_NAME}",
     }
+    names = dict(zip(("XRONOS_CA_FILE", "XRONOS_CERT_FILE", "XRONOS_KEY_FILE"), inventory.tls_files(device)))
+    env |= {variable: f"{SECRET_DIR}/{name}" for variable, name in names.items()}
     return env | ({"GLOO_SOCKET_IFNAME": device.gloo_interface} if device.gloo_interface else {})
 
 
@@ -182,19 +186,32 @@ def _ensure_image(client, inventory: Inventory):
     return client.images.pull(inventory.image)
 
 
-def _secret_tar(password: str, user: str) -> bytes:
-    """A tar of the one password file, owned by the image's user and readable by it alone."""
+def read_tls_files(inventory: Inventory, device: Device) -> dict[str, bytes]:
+    """The CA, certificate and key a node container gets (mqtts://), read before anything changes."""
+    out = {}
+    for name, path in inventory.tls_files(device).items():
+        try:
+            out[name] = path.read_bytes()
+        except OSError as err:
+            raise XronosError(
+                f"cannot read {str(path)!r} (make it with deploy/mosquitto/make-certs.sh): {err.strerror or err}"
+            ) from None
+    return out
+
+
+def _secret_tar(password: str, user: str, extra: dict[str, bytes] | None = None) -> bytes:
+    """A tar of the password file (and TLS files), owned by the image's user and readable by it alone."""
     uid, _, gid = user.partition(":")
-    data = password.encode()
-    info = tarfile.TarInfo(SECRET_NAME)
-    info.size, info.mtime = len(data), int(time.time())
-    if uid.isdigit():
-        info.uid, info.gid, info.mode = int(uid), int(gid) if gid.isdigit() else int(uid), 0o400
-    else:  # a user by name or root: the uid is unknown here, so the file is readable in the container
-        info.mode = 0o444
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w") as tar:
-        tar.addfile(info, io.BytesIO(data))
+        for name, data in {SECRET_NAME: password.encode(), **(extra or {})}.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), int(time.time())
+            if uid.isdigit():
+                info.uid, info.gid, info.mode = int(uid), int(gid) if gid.isdigit() else int(uid), 0o400
+            else:  # a user by name or root: the uid is unknown here, so the file is readable in the container
+                info.mode = 0o444
+            tar.addfile(info, io.BytesIO(data))
     return out.getvalue()
 
 
@@ -225,6 +242,7 @@ def deploy_device(inventory: Inventory, device: Device) -> Outcome:
     """Replace the device's node container with a fresh one from the inventory."""
     try:
         password = read_password(device)  # checked before anything on the device changes
+        tls = read_tls_files(inventory, device)
     except XronosError as err:
         return Outcome(device.name, False, str(err))
 
@@ -247,8 +265,8 @@ def deploy_device(inventory: Inventory, device: Device) -> Outcome:
             volumes=list(inventory.mounts),
             labels={LABELS["role"]: "node", LABELS["node"]: device.node, LABELS["device"]: device.name},
         )
-        if not container.put_archive(SECRET_DIR, _secret_tar(password, image.attrs["Config"].get("User") or "")):
-            raise XronosError(f"could not write the password file into {SECRET_DIR}")
+        if not container.put_archive(SECRET_DIR, _secret_tar(password, image.attrs["Config"].get("User") or "", tls)):
+            raise XronosError(f"could not write the password and TLS files into {SECRET_DIR}")
         container.start()
         container.reload()
         if container.status != "running":
@@ -336,6 +354,11 @@ def describe(inventory: Inventory, device: Device) -> list[str]:
         f"  mounts    {', '.join(inventory.mounts)}",
         f"  broker    {env['XRONOS_BROKER']} as {env['XRONOS_USERNAME']}; password from {password_source(device)} "
         f"({found}) into {env['XRONOS_PASSWORD_FILE']}",
+        *(
+            [f"  tls       CA, certificate and key from {inventory.mqtt_certs} into {SECRET_DIR}"]
+            if inventory.mqtt_certs
+            else []
+        ),
         f"  metrics   {device.host}:{device.metrics_port}",
     ]
 

@@ -3,8 +3,9 @@
 A YAML file, checked by strict pydantic models (a misspelt key is an error,
 not a silently ignored default):
 
-    image: xronos:latest              # on every device (see `pull`)
-    broker: mqtt://192.168.1.10:1883  # as the devices reach it
+    image: xronos:latest               # on every device (see `pull`)
+    broker: mqtts://192.168.1.10:8883  # as the devices reach it (TLS: the shipped Mosquitto's devices port)
+    mqtt_certs: certs/                 # with mqtts://: what make-certs.sh made (ca.crt, NODE_ID.crt/.key)
     devices:
       - name: gw-kitchen
         base_url: ssh://pi@192.168.1.21          # the device's Docker Engine API
@@ -21,8 +22,10 @@ No secret sits in the inventory. A node's MQTT password comes from an
 environment variable of the machine running `xronos deploy` (`password_env`,
 by default XRONOS_PASSWORD_<NODE_ID>, the name make-passwords.sh reads) or
 from a file (`password_file`), and reaches the container as a file
-(XRONOS_PASSWORD_FILE), never as a flag, an environment value or a log line.
-Relative paths are taken against the inventory file's directory.
+(XRONOS_PASSWORD_FILE), never as a flag, an environment value or a log line;
+with `mqtts://`, the CA and the node's certificate and key from `mqtt_certs`
+reach it the same way. Relative paths are taken against the inventory file's
+directory.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from pydantic import (
 )
 
 from xronos.contract.errors import XronosError
+from xronos.contract.mqtt import SECURE_SCHEMES, check_broker_url
 from xronos.contract.wire import Id
 
 Memory = Annotated[str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)?[bkmgBKMG]?$")]
@@ -151,7 +155,11 @@ class Inventory(_Strict):
         description="Pull the image on a device: when it is missing there, always, or never "
         "(no registry: load it first, deploy/README.md).",
     )
-    broker: str = Field(description="mqtt://host:port as the devices reach the broker.")
+    broker: str = Field(description="mqtts://host:8883 (or mqtt://host:port) as the devices reach the broker.")
+    mqtt_certs: Path | None = Field(
+        None,
+        description="With mqtts://: the folder make-certs.sh wrote: ca.crt and, per node, NODE_ID.crt and NODE_ID.key.",
+    )
     mounts: list[Mount] = Field(
         default_factory=lambda: list(DEFAULT_MOUNTS),
         description="Volumes of every node container (models and data where train "
@@ -161,9 +169,14 @@ class Inventory(_Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> Inventory:
-        parts = urlsplit(self.broker if "://" in self.broker else f"mqtt://{self.broker}")
-        if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
-            raise ValueError(f"broker {self.broker!r}: use mqtt://host:port (TLS for the broker is not supported yet)")
+        try:
+            scheme, _, _ = check_broker_url(self.broker)
+        except XronosError as err:
+            raise ValueError(str(err)) from None
+        if scheme in SECURE_SCHEMES and self.mqtt_certs is None:
+            raise ValueError("an mqtts:// broker needs mqtt_certs (the folder deploy/mosquitto/make-certs.sh wrote)")
+        if scheme not in SECURE_SCHEMES and self.mqtt_certs is not None:
+            raise ValueError("mqtt_certs goes with an mqtts:// broker")
         for what, key in (("name", lambda d: d.name), ("node id", lambda d: d.node)):
             seen: set[str] = set()
             for d in self.devices:
@@ -187,7 +200,17 @@ class Inventory(_Strict):
         for d in self.devices:
             tls = d.tls and d.tls.model_copy(update={k: at(getattr(d.tls, k)) for k in Tls.model_fields})
             devices.append(d.model_copy(update={"password_file": at(d.password_file), "tls": tls}))
-        return self.model_copy(update={"devices": devices})
+        return self.model_copy(update={"devices": devices, "mqtt_certs": at(self.mqtt_certs)})
+
+    def tls_files(self, device: Device) -> dict[str, Path]:
+        """With mqtts://: the files a node container gets, by their name there (empty for mqtt://)."""
+        if self.mqtt_certs is None:
+            return {}
+        return {
+            "xronos-mqtt-ca.crt": self.mqtt_certs / "ca.crt",
+            "xronos-mqtt-client.crt": self.mqtt_certs / f"{device.node}.crt",
+            "xronos-mqtt-client.key": self.mqtt_certs / f"{device.node}.key",
+        }
 
 
 def _where(loc: tuple, raw) -> str:

@@ -1,15 +1,20 @@
 """A local Mosquitto (Debian's package) with the deploy/ ACLs, for tests and benchmarks.
 
-Writes a config that listens on a loopback port, a password file made with
-`mosquitto_passwd`, and the ACL file of `deploy/mosquitto/acl` verbatim, then
-runs `mosquitto -c`. Run as root, Mosquitto drops to user `mosquitto`, so its
-files are handed to that user.
+Two ways. Plain (`Mosquitto(users=...)`): a config of its own that listens on a
+loopback port, a password file, and the ACL file of `deploy/mosquitto/acl`
+verbatim. Shipped (`Mosquitto(users=..., certs=DIR)`): the production
+`deploy/mosquitto/mosquitto.conf` and ACL verbatim with only paths and ports
+substituted (TLS listeners for devices and operators, client ids bound to
+usernames), DIR made by `deploy/mosquitto/make-certs.sh`. Passwords reach
+`mosquitto_passwd` on its standard input, never its argv. Run as root,
+Mosquitto drops to user `mosquitto`, so its files are handed to that user.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -20,7 +25,35 @@ from pathlib import Path
 from edge_node.worker_process import free_port, stop_processes
 from xronos.contract.errors import XronosError
 
-ACL_FILE = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto" / "acl"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto"
+ACL_FILE = DEPLOY / "acl"
+CONF_FILE = DEPLOY / "mosquitto.conf"
+DEVICE_PORT, OPERATOR_PORT = 8883, 8884
+"""The shipped config's listeners: nodes and controller (client id := username), operators' tools."""
+
+
+def add_password(passwd: Path, user: str, password: str) -> None:
+    """Add `user` to a Mosquitto password file; the password goes through stdin, not the process list."""
+    subprocess.run(
+        ["mosquitto_passwd", str(passwd), user],
+        input=f"{password}\n{password}\n",
+        text=True,
+        check=True,
+        capture_output=True,
+    )
+
+
+def shipped_config(conf: str, *, directory: Path, ports: dict[int, int]) -> str:
+    """The production config with its container paths moved under `directory` and its listeners'
+    ports replaced (bound to loopback); fails if anything container-specific is left."""
+    out = conf.replace("/mosquitto/config/", f"{directory}/").replace("/mosquitto/data/", f"{directory}/data/")
+    for shipped, port in ports.items():
+        out, n = re.subn(rf"^listener {shipped}$", f"listener {port} 127.0.0.1", out, flags=re.M)
+        if n != 1:
+            raise XronosError(f"the shipped mosquitto.conf has no single 'listener {shipped}' line")
+    if "/mosquitto/" in out:
+        raise XronosError("the shipped mosquitto.conf names a path this runner does not substitute")
+    return out
 
 
 class Mosquitto:
@@ -30,13 +63,20 @@ class Mosquitto:
     can traverse, unlike a root-only test directory); removed on exit.
     """
 
-    def __init__(self, users: dict[str, str] | None = None, acl: Path | None = ACL_FILE):
+    def __init__(self, users: dict[str, str] | None = None, acl: Path | None = ACL_FILE, certs: Path | None = None):
         if shutil.which("mosquitto") is None:
             raise XronosError("mosquitto is not installed (apt-get install --no-install-recommends mosquitto)")
+        if certs is not None and not users:
+            raise XronosError("the shipped config needs users (it allows no anonymous client)")
         self.dir = Path(tempfile.mkdtemp(prefix="xronos-mosquitto-"))
-        self.users, self.acl = users, acl if users else None
+        self.users, self.acl, self.certs = users, acl if users else None, certs
         self.port = free_port()
-        self.url = f"mqtt://127.0.0.1:{self.port}"
+        self.operator_port = free_port() if certs else self.port
+        scheme = "mqtts" if certs else "mqtt"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        """Nodes and the controller (with the shipped config: client id := username)."""
+        self.operator_url = f"{scheme}://127.0.0.1:{self.operator_port}"
+        """Operators' tools, several at once (the same as `url` without the shipped config)."""
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Mosquitto:
@@ -50,9 +90,9 @@ class Mosquitto:
         if self.users:
             passwd = self.dir / "passwd"
             passwd.write_text("")
-            for user, password in self.users.items():
-                subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, password], check=True, capture_output=True)
             passwd.chmod(0o600)
+            for user, password in self.users.items():
+                add_password(passwd, user, password)
             lines += ["allow_anonymous false", f"password_file {passwd}"]
             if self.acl is not None:
                 shutil.copy(self.acl, self.dir / "acl")
@@ -60,12 +100,20 @@ class Mosquitto:
         else:
             lines.append("allow_anonymous true")
         conf = self.dir / "mosquitto.conf"
-        conf.write_text("\n".join(lines) + "\n")
+        if self.certs is not None:  # the production config, verbatim but for paths and ports
+            (self.dir / "certs").mkdir()
+            (self.dir / "data").mkdir()
+            for name in ("ca.crt", "broker.crt", "broker.key"):
+                shutil.copy(self.certs / name, self.dir / "certs" / name)
+            ports = {DEVICE_PORT: self.port, OPERATOR_PORT: self.operator_port}
+            conf.write_text(shipped_config(CONF_FILE.read_text(), directory=self.dir, ports=ports))
+        else:
+            conf.write_text("\n".join(lines) + "\n")
         if os.geteuid() == 0:  # mosquitto drops root to user mosquitto, which must read its files
             try:
-                user = pwd.getpwnam("mosquitto")
-                for path in [self.dir, *self.dir.iterdir()]:
-                    os.chown(path, user.pw_uid, user.pw_gid)
+                account = pwd.getpwnam("mosquitto")
+                for path in [self.dir, *self.dir.rglob("*")]:
+                    os.chown(path, account.pw_uid, account.pw_gid)
             except KeyError:
                 pass
         self.log = (self.dir / "mosquitto.log").open("wb")
@@ -75,7 +123,8 @@ class Mosquitto:
             if self.proc.poll() is not None:
                 raise XronosError(f"mosquitto exited: {(self.dir / 'mosquitto.log').read_text()[-500:]}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                for port in {self.port, self.operator_port}:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 return self
             except OSError:
                 time.sleep(0.05)

@@ -36,13 +36,14 @@ def submit(
     statuses: list[wire.JobStatus] = []
     changed = threading.Condition()
 
-    def on_status(_, status: wire.JobStatus | None) -> None:
-        if status is not None:
+    def on_status(_: str, status: BaseModel | None) -> None:
+        # the bus hands a handler its topic's messages typed as their common base (JOB_STATUS: a JobStatus)
+        if isinstance(status, wire.JobStatus):
             with changed:
                 statuses.append(status)
                 changed.notify_all()
 
-    bus = Bus(settings, client_id=f"xronos-operator-{uuid.uuid4().hex[:8]}")
+    bus = Bus(settings, client_id=f"xronos-operator-{uuid.uuid4().hex}")
     if wait:
         bus.subscribe(wire.JOB_STATUS, on_status, ident=command.job_id)
     bus.start()
@@ -135,14 +136,11 @@ def cluster_status(settings: BrokerSettings, listen_seconds: float = 2.5) -> Clu
             with lock:
                 jobs[job_id] = msg
 
-    bus = Bus(settings, client_id=f"xronos-status-{uuid.uuid4().hex[:8]}")
-    for topic, handler in (
-        (wire.NODE_STATUS, on_status),
-        (wire.HEARTBEAT, on_heartbeat),
-        (wire.PROFILE, on_profile),
-        (wire.JOB_STATUS, on_job),
-    ):
-        bus.subscribe(topic, handler)
+    bus = Bus(settings, client_id=f"xronos-status-{uuid.uuid4().hex}")  # 128 random bits: not guessable
+    bus.subscribe(wire.NODE_STATUS, on_status)
+    bus.subscribe(wire.HEARTBEAT, on_heartbeat)
+    bus.subscribe(wire.PROFILE, on_profile)
+    bus.subscribe(wire.JOB_STATUS, on_job)
     bus.start()
     time.sleep(listen_seconds)
     bus.stop()

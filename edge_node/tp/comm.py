@@ -10,7 +10,7 @@ each rank's pace per component, which the re-plan calibrates the profiles
 with.
 
 The whole TP group's all-reduces run either as gloo's ring or through a hub
-(`use_hub`): every other rank sends its tensor to the hub, which combines
+(`TPContext.hub`): every other rank sends its tensor to the hub, which combines
 them and sends the result back. The ring moves less data per rank (2(n-1)/n
 of the tensor; the hub's link carries 2(n-1) tensors), but it takes 2(n-1)
 dependent steps, and on CPUs under quotas every step waits for the most
@@ -21,7 +21,7 @@ the first step (`time_collectives`) and keeps the faster.
 
 A rank that owns none of a split dimension (no KV group, no MLP column, no
 vocabulary row) adds only zeros to the all-reduces that close that dimension's
-segments, so it does not send them (`use_holders`): where one rank holds all of
+segments, so it does not send them (`TPContext.holders`): where one rank holds all of
 it (a layout such as kv 3/0/0), the all-reduce is that rank's broadcast; through
 the hub, the ranks without a share only receive. The sum is the same to the
 bit (x + 0 = x), the bytes moved fewer: in isolation, 1.2 ms instead of 4.0 ms
@@ -34,14 +34,18 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from edge_node.tp.context import TPContext
+
 
 @dataclass
 class CommClock:
-    """Seconds spent inside collectives since the process started, and compute seconds by segment."""
+    """Seconds spent inside collectives since the shard was built, and compute seconds by segment."""
 
     seconds: float = 0.0
     calls: int = 0
@@ -52,40 +56,12 @@ class CommClock:
     layer's attention and MLP, the vocabulary's final norm, LM head and loss; not the embedding or AdamW)."""
 
 
-CLOCK = CommClock()
-
-
-@dataclass
-class HubCollective:
-    """How the TP group's all-reduces run; set by the trainer."""
-
-    hub: int | None = None
-    """The rank that sums them (None: gloo's ring)."""
-    holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """By split dimension: the ranks owning some of it (`ShardSplit.holders`); in the all-reduces that
-    close its segments the other ranks' partial sums are zeros."""
-
-
-HUB = HubCollective()
-
-
-def use_hub(hub: int | None) -> None:
-    """Run the whole group's all-reduces through rank `hub` from now on (None: gloo's ring)."""
-    HUB.hub = hub
-
-
-def use_holders(holders: dict[str, tuple[int, ...]]) -> None:
-    """Who adds more than zeros to the all-reduces closing each dimension's segments, from now on
-    (every rank must set the same, with each split it trains)."""
-    HUB.holders = dict(holders)
-
-
-def _senders(op, group, closes: str | None) -> tuple[int, ...] | None:
+def _senders(op, group, closes: str | None, tp: TPContext) -> tuple[int, ...] | None:
     """The ranks whose parts this all-reduce must sum, when not all of them: None for all."""
-    senders = HUB.holders.get(closes) if closes is not None and group is None and op == dist.ReduceOp.SUM else None
+    senders = tp.holders.get(closes) if closes is not None and group is None and op == dist.ReduceOp.SUM else None
     if not senders or len(senders) == dist.get_world_size():
         return None
-    if len(senders) > 1 and HUB.hub is None:
+    if len(senders) > 1 and tp.hub is None:
         return None  # the ring, zeros and all: a star through one of them is not always faster
     return senders
 
@@ -94,28 +70,45 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, closes: str | None = None) -> torch.Tensor:
-    """In-place all-reduce, timed; a no-op without a process group of size > 1.
+def all_reduce(
+    tensor: torch.Tensor, tp: TPContext, op=dist.ReduceOp.SUM, group=None, closes: str | None = None
+) -> torch.Tensor:
+    """In-place all-reduce, timed on `tp.clock`; a no-op without a process group of size > 1.
 
     `closes`: the segment this collective ends (its compute since the last collective counts to it)."""
     if world_size(group) == 1:
         return tensor
     start = time.perf_counter()
-    if closes is not None and CLOCK.last_end is not None:
-        CLOCK.segments[closes] = CLOCK.segments.get(closes, 0.0) + start - CLOCK.last_end
-    senders = _senders(op, group, closes)
+    if closes is not None and tp.clock.last_end is not None:
+        tp.clock.segments[closes] = tp.clock.segments.get(closes, 0.0) + start - tp.clock.last_end
+    senders = _senders(op, group, closes, tp)
     if senders is not None and len(senders) == 1:
         dist.broadcast(tensor, src=senders[0])
     elif senders is not None:
-        _star_all_reduce(tensor, op, HUB.hub if HUB.hub in senders else senders[0], senders)
-    elif HUB.hub is not None and group is None:
-        _hub_all_reduce(tensor, op, HUB.hub)
+        _star_all_reduce(tensor, op, tp.hub if tp.hub in senders else senders[0], senders)
+    elif tp.hub is not None and group is None:
+        _hub_all_reduce(tensor, op, tp.hub)
     else:
         dist.all_reduce(tensor, op=op, group=group)
-    CLOCK.last_end = time.perf_counter()
-    CLOCK.seconds += CLOCK.last_end - start
-    CLOCK.calls += 1
+    tp.clock.last_end = time.perf_counter()
+    tp.clock.seconds += tp.clock.last_end - start
+    tp.clock.calls += 1
     return tensor
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """Rank `src`'s `data` on every rank (the others pass None): its length, then its bytes, as tensors.
+
+    Not `broadcast_object_list`, which unpickles what a peer sends (a compromised rank would run
+    code on every other): what arrives here is only bytes, which the caller parses as JSON against
+    a model."""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=src)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    if dist.get_rank() == src and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=src)
+    return buffer.numpy().tobytes()
 
 
 def time_collectives(numel: int, hub: int, trials: int = 8) -> tuple[float, float]:
@@ -123,9 +116,10 @@ def time_collectives(numel: int, hub: int, trials: int = 8) -> tuple[float, floa
 
     The two are timed alternately (so both see the same load), each rank takes its median, and
     the ranks take the maximum (what the slowest participant makes everyone wait): every rank
-    gets the same pair, so every rank makes the same choice. Not counted in CLOCK.
+    gets the same pair, so every rank makes the same choice. Not counted in tp.clock.
     """
-    tensor, seconds = torch.zeros(numel), {"ring": [], "hub": []}
+    tensor = torch.zeros(numel)
+    seconds: dict[str, list[float]] = {"ring": [], "hub": []}
     dist.barrier()
     for _ in range(trials):
         for name in seconds:
@@ -163,13 +157,18 @@ def _star_all_reduce(tensor: torch.Tensor, op, hub: int, senders: tuple[int, ...
         dist.recv(tensor, src=hub)
         return
     parts = {r: torch.empty_like(tensor) for r in senders if r != hub}
-    for request in [dist.irecv(parts[r], src=r) for r in parts]:
-        request.wait()
+    _wait_all([dist.irecv(parts[r], src=r) for r in parts])
     combine = torch.Tensor.add_ if op == dist.ReduceOp.SUM else lambda t, other: torch.maximum(t, other, out=t)
     result = tensor if senders[0] == hub else parts[senders[0]]
     for r in senders[1:]:
         combine(result, tensor if r == hub else parts[r])
     if result is not tensor:
         tensor.copy_(result)
-    for request in [dist.isend(tensor, dst=r) for r in range(n) if r != hub]:
+    _wait_all([dist.isend(tensor, dst=r) for r in range(n) if r != hub])
+
+
+def _wait_all(requests: list) -> None:
+    """Wait for point-to-point requests (torch types them Work | None: None only off the group)."""
+    for request in requests:
+        assert request is not None, "this rank is not in the process group"
         request.wait()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_node.tp.context import TPContext
 from edge_node.tp.mappings import reduce_from_tp
 from edge_node.tp.weight_grads import linear_weight_grad_later
 
@@ -25,9 +26,9 @@ class RowParallelLinear(nn.Module):
     `closes`: the segment whose forward the sum ends (see `edge_node.tp.comm`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, device=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.deferred = False
@@ -35,20 +36,24 @@ class RowParallelLinear(nn.Module):
         self.closes: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_weight_grad_later(x, self.weight, None) if self.weight_grad_later else F.linear(x, self.weight)
+        y = (
+            linear_weight_grad_later(x, self.weight, None, self.tp.weight_grads)
+            if self.weight_grad_later
+            else F.linear(x, self.weight)
+        )
         return y if self.deferred else self.finish(y)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(partial, self.closes)
+        y = reduce_from_tp(partial, self.tp, self.closes)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding for rows [start, start + num_rows); other ids contribute zeros before the sum."""
 
-    def __init__(self, start: int, num_rows: int, dim: int, padding_idx: int | None, device=None):
+    def __init__(self, start: int, num_rows: int, dim: int, padding_idx: int | None, tp: TPContext, device=None):
         super().__init__()
-        self.start, self.num_rows = start, num_rows
+        self.start, self.num_rows, self.tp = start, num_rows, tp
         self.weight = nn.Parameter(torch.empty(num_rows, dim, device=device))
         # HF's nn.Embedding(padding_idx=...) never updates the padding row: keep that, locally indexed.
         local_pad = None if padding_idx is None else padding_idx - start
@@ -61,7 +66,7 @@ class VocabParallelEmbedding(nn.Module):
             outside = (input_ids < self.start) | (input_ids >= self.start + self.num_rows)
             local_ids = (input_ids - self.start).masked_fill(outside, 0)
             out = F.embedding(local_ids, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out)
+        return reduce_from_tp(out, self.tp)
 
 
 def share_rows(attention: nn.Module, rows: tuple[int, int], batch: int) -> None:
@@ -74,6 +79,8 @@ def share_rows(attention: nn.Module, rows: tuple[int, int], batch: int) -> None:
     """
     r0, r1 = rows
     o_proj = attention.o_proj
+    if not isinstance(o_proj, RowParallelLinear):
+        raise TypeError("share_rows needs an attention whose o_proj is already row-parallel (parallelize)")
     o_proj.deferred = True
 
     def narrow(x):

@@ -14,37 +14,37 @@ from __future__ import annotations
 import torch
 
 from edge_node.tp.comm import all_reduce
-from edge_node.tp.weight_grads import WEIGHT_GRADS
+from edge_node.tp.context import TPContext
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, closes):
-        ctx.closes = closes
+    def forward(ctx, x, tp, closes):
+        ctx.tp, ctx.closes = tp, closes
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        WEIGHT_GRADS.before_backward_collective(ctx.closes)
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), closes=ctx.closes), None
+        ctx.tp.weight_grads.before_backward_collective(ctx.closes)
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.tp, closes=ctx.closes), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, closes):
+    def forward(ctx, x, tp, closes):
         # A fresh buffer: the collective works in place and autograd owns `x`.
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), closes=closes)
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), tp, closes=closes)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
-def copy_to_tp(x: torch.Tensor, closes: str | None = None) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, tp: TPContext, closes: str | None = None) -> torch.Tensor:
     """Identity forward, all-reduce backward (which ends the backward of segment `closes`)."""
-    return _CopyToTP.apply(x, closes)
+    return _CopyToTP.apply(x, tp, closes)
 
 
-def reduce_from_tp(x: torch.Tensor, closes: str | None = None) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, tp: TPContext, closes: str | None = None) -> torch.Tensor:
     """All-reduce forward (which ends the forward of segment `closes`), identity backward."""
-    return _ReduceFromTP.apply(x, closes)
+    return _ReduceFromTP.apply(x, tp, closes)

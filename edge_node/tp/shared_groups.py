@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from edge_node.tp.comm import all_reduce
+from edge_node.tp.context import TPContext
 from edge_node.tp.plan import param_slice
 from xronos.contract.splits import ModelDims, ShardSplit
 
@@ -30,7 +31,7 @@ def group_numel(shapes: dict[str, torch.Size], split: ShardSplit, dims: ModelDim
 
 
 def sum_shared_grads(
-    model: nn.Module, split: ShardSplit, rank: int, shapes: dict[str, torch.Size], dims: ModelDims
+    model: nn.Module, split: ShardSplit, rank: int, shapes: dict[str, torch.Size], dims: ModelDims, tp: TPContext
 ) -> None:
     """Sum every shared group's gradients across its holders (every rank must call this)."""
     groups = split.shared_kv_groups
@@ -40,11 +41,15 @@ def sum_shared_grads(
     buffer = torch.zeros(len(groups) * per)
     (g0, _), rows = split.attention_shares()[rank]
     params = [p for name, p in model.named_parameters() if _is_group_param(name, split, dims)] if rows else []
-    if params:
+    grads = [p.grad for p in params]
+    if any(g is None for g in grads):
+        raise RuntimeError("a shared KV group's parameter has no gradient: call after the backward pass")
+    held = [g for g in grads if g is not None]
+    if held:
         mine = buffer[groups.index(g0) * per :][:per]
-        torch.cat([p.grad.reshape(-1) for p in params], out=mine)
-    all_reduce(buffer)
-    offset = groups.index(g0) * per if params else 0
-    for p in params:
-        p.grad.copy_(buffer[offset : offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+        torch.cat([g.reshape(-1) for g in held], out=mine)
+    all_reduce(buffer, tp)
+    offset = groups.index(g0) * per if held else 0
+    for g in held:
+        g.copy_(buffer[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -8,7 +8,7 @@ whose attention share is small (or empty) waits at every layer's attention
 all-reduce in the backward pass for the devices that hold more.
 
 So on a rank the plan marks, the MLP's linear layers hand their weight-gradient
-product to `WEIGHT_GRADS` instead of computing it, and the queue runs it one
+product to the shard's `WeightGradQueue` (`TPContext.weight_grads`) instead of computing it, and the queue runs it one
 backward collective later: the layer's MLP all-reduce goes out without it (the
 rank arrives earlier and can hold more MLP columns), and the product is computed
 while the other ranks still compute their attention backward. Same products,
@@ -73,9 +73,6 @@ class WeightGradQueue:
         self.held, self.pending, self.spread = [], [], []
 
 
-WEIGHT_GRADS = WeightGradQueue()
-
-
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
     if param.grad is None:
         param.grad = grad
@@ -87,10 +84,10 @@ class _LinearWeightGradLater(torch.autograd.Function):
     """y = x W^T (+ b); the backward returns the input's gradient and queues the weight's (and bias's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, queue):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.params = (weight, bias)
+        ctx.params, ctx.queue = (weight, bias), queue
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -106,25 +103,33 @@ class _LinearWeightGradLater(torch.autograd.Function):
             if bias_param is not None:
                 _accumulate(bias_param, g2.sum(0))
 
-        WEIGHT_GRADS.add(product)
-        return grad_x, None, None
+        ctx.queue.add(product)
+        return grad_x, None, None, None
 
 
-def linear_weight_grad_later(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None) -> torch.Tensor:
-    """F.linear whose weight (and bias) gradient is accumulated by `WEIGHT_GRADS`, not by autograd."""
-    return _LinearWeightGradLater.apply(x, weight, bias)
+def linear_weight_grad_later(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, queue: WeightGradQueue
+) -> torch.Tensor:
+    """F.linear whose weight (and bias) gradient is accumulated by `queue`, not by autograd."""
+    return _LinearWeightGradLater.apply(x, weight, bias, queue)
 
 
 class WeightGradLaterLinear(nn.Linear):
-    """A column-parallel `nn.Linear` (same parameters and names) whose weight gradient comes later."""
+    """A column-parallel `nn.Linear` (same parameters and names) whose weight gradient comes later, in `queue`."""
+
+    def __init__(self, in_features: int, out_features: int, queue: WeightGradQueue, bias: bool = True, device=None):
+        super().__init__(in_features, out_features, bias=bias, device=device)
+        self.queue = queue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_weight_grad_later(x, self.weight, self.bias)
+        return linear_weight_grad_later(x, self.weight, self.bias, self.queue)
 
 
-def weight_grads_later(linear: nn.Linear) -> WeightGradLaterLinear:
-    """`linear` (its parameters, not copies) with its weight gradient coming later."""
-    later = WeightGradLaterLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+def weight_grads_later(linear: nn.Linear, queue: WeightGradQueue) -> WeightGradLaterLinear:
+    """`linear` (its parameters, not copies) with its weight gradient coming later, in `queue`."""
+    later = WeightGradLaterLinear(
+        linear.in_features, linear.out_features, queue, bias=linear.bias is not None, device="meta"
+    )
     later.weight, later.bias = linear.weight, linear.bias
     return later
 
@@ -141,9 +146,9 @@ class _LinearRowsWeightGradLater(torch.autograd.Function):
     `later_rows`.. itself and spreads that of rows ..`later_rows` over `pieces` products."""
 
     @staticmethod
-    def forward(ctx, x, weight, later_rows, pieces):
+    def forward(ctx, x, weight, later_rows, pieces, queue):
         ctx.save_for_backward(x, weight)
-        ctx.param, ctx.later_rows, ctx.pieces = weight, later_rows, pieces
+        ctx.param, ctx.later_rows, ctx.pieces, ctx.queue = weight, later_rows, pieces, queue
         return F.linear(x, weight)
 
     @staticmethod
@@ -164,19 +169,21 @@ class _LinearRowsWeightGradLater(torch.autograd.Function):
             return product
 
         bounds = [round(later * k / ctx.pieces) for k in range(ctx.pieces + 1)]
-        WEIGHT_GRADS.add_spread([piece(a, b) for a, b in zip(bounds, bounds[1:]) if b > a])
-        return grad_x, None, None, None
+        ctx.queue.add_spread([piece(a, b) for a, b in zip(bounds, bounds[1:]) if b > a])
+        return grad_x, None, None, None, None
 
 
 class RowsWeightGradLaterLinear(nn.Linear):
     """A bias-free `nn.Linear` (the vocabulary-parallel LM head) whose first `later_rows` output rows'
-    weight gradients are spread over `pieces` attention backward collectives (`WeightGradQueue.spread`)."""
+    weight gradients are spread over `pieces` attention backward collectives (`WeightGradQueue.spread` of `queue`)."""
 
-    def __init__(self, in_features: int, out_features: int, later_rows: int, pieces: int, device=None):
+    def __init__(
+        self, in_features: int, out_features: int, later_rows: int, pieces: int, queue: WeightGradQueue, device=None
+    ):
         super().__init__(in_features, out_features, bias=False, device=device)
         if not 0 < later_rows <= out_features or pieces < 1:
             raise ValueError(f"later rows {later_rows} of {out_features}, in {pieces} pieces")
-        self.later_rows, self.pieces = later_rows, pieces
+        self.later_rows, self.pieces, self.queue = later_rows, pieces, queue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearRowsWeightGradLater.apply(x, self.weight, self.later_rows, self.pieces)
+        return _LinearRowsWeightGradLater.apply(x, self.weight, self.later_rows, self.pieces, self.queue)

@@ -1,14 +1,47 @@
-"""The options of a training job, shared by `xronos run` and (later) the MQTT train command."""
+"""The options of a training job, shared by `xronos run` and the MQTT train command.
+
+A train command arrives from the network, so every size in it is bounded: a
+message the schema admits must not make a node allocate without limit, loop for
+ever or open a path no file system has. The limits are generous (far beyond any
+job an edge cluster runs) and each says why it is where it is; the command line
+checks the same bounds (`xronos.cli`) so both give the same reasons.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Mode = Literal["single", "tp", "xronos", "pp"]
 Collective = Literal["auto", "ring", "hub"]
 MODES: tuple[str, ...] = ("single", "tp", "xronos", "pp")
+
+MAX_PATH = 4096
+"""Linux's PATH_MAX: no longer path can be opened."""
+MAX_STEPS = 10_000_000
+"""Ten million optimizer steps: years of steps at edge speeds; a larger count is a typo or an attack."""
+MAX_BATCH = 65_536
+"""Rows per step; a CPU device holds far fewer (the micro-batch's activations must fit in its memory)."""
+MAX_SEQ_LEN = 131_072
+"""128 Ki tokens, the longest context of current small Llama-family models."""
+MAX_TOKENS_PER_STEP = 1 << 24
+"""batch_size x seq_len: 16 Mi tokens a step, 32,768 times the README's 4 x 128."""
+MAX_EVERY = MAX_STEPS
+"""Checkpoint, re-plan and micro-batch counts: no use beyond the step count's bound."""
+MAX_LR = 10.0
+"""AdamW diverges long before; a bound that only stops a typo (1e4 for 1e-4) and non-finite values."""
+MAX_SEED = 1 << 40
+"""|seed|: the data order seeds torch with seed x 1,000,003 + epoch, which must stay within 64 bits."""
+
+NodePath = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=MAX_PATH,
+        description=f"A path on the nodes (1 to {MAX_PATH} characters).",
+    ),
+]
 
 
 class JobOptions(BaseModel):
@@ -16,27 +49,31 @@ class JobOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(description="Local Hugging Face model directory.")
-    data: str = Field(description="JSONL of {'input_ids': [...]} rows, or a text file.")
-    output: str = Field(description="Directory for the fine-tuned model (HF format) and checkpoints.")
+    model: NodePath = Field(description="Local Hugging Face model directory.")
+    data: NodePath = Field(description="JSONL of {'input_ids': [...]} rows, or a text file.")
+    output: NodePath = Field(description="Directory for the fine-tuned model (HF format) and checkpoints.")
     mode: Mode = "xronos"
-    steps: PositiveInt = 10
-    batch_size: PositiveInt = Field(8, description="Rows per optimizer step (the global batch).")
-    grad_accum: PositiveInt = Field(1, description="Micro-batches per step; must divide batch_size.")
-    seq_len: PositiveInt = 128
-    lr: PositiveFloat = 1e-4
-    seed: int = 0
+    steps: int = Field(10, ge=1, le=MAX_STEPS)
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH, description="Rows per optimizer step (the global batch).")
+    grad_accum: int = Field(1, ge=1, le=MAX_BATCH, description="Micro-batches per step; must divide batch_size.")
+    seq_len: int = Field(128, ge=2, le=MAX_SEQ_LEN, description="Tokens per row (at least 2: next-token prediction).")
+    lr: float = Field(1e-4, gt=0, le=MAX_LR, allow_inf_nan=False)
+    seed: int = Field(0, ge=-MAX_SEED, le=MAX_SEED)
     shuffle: bool = True
-    checkpoint_every: NonNegativeInt = Field(0, description="Checkpoint every N steps (0: only the final model).")
+    checkpoint_every: int = Field(
+        0, ge=0, le=MAX_EVERY, description="Checkpoint every N steps (0: only the final model)."
+    )
     resume: bool = Field(False, description="Continue from the newest checkpoint under `output`.")
-    replan_after: NonNegativeInt = Field(
+    replan_after: int = Field(
         2,
+        ge=0,
+        le=MAX_EVERY,
         description="Mode xronos: check the split against the measured compute every this many timed steps "
         "and re-shard when that predicts 3% shorter steps (at most 8 checks and 3 re-shards, "
         "in the first half of the job; 0: never).",
     )
-    micro_batches: PositiveInt | None = Field(
-        None, description="Pipeline mode: micro-batches per step (default: batch_size)."
+    micro_batches: int | None = Field(
+        None, ge=1, le=MAX_BATCH, description="Pipeline mode: micro-batches per step (default: batch_size)."
     )
     collective: Collective = Field(
         "auto",
@@ -49,4 +86,9 @@ class JobOptions(BaseModel):
     def _accumulation_divides_batch(self) -> JobOptions:
         if self.batch_size % self.grad_accum:
             raise ValueError(f"--grad-accum {self.grad_accum} must divide --batch-size {self.batch_size}")
+        if self.batch_size * self.seq_len > MAX_TOKENS_PER_STEP:
+            raise ValueError(
+                f"--batch-size {self.batch_size} x --seq-len {self.seq_len} is over {MAX_TOKENS_PER_STEP:,} "
+                "tokens a step, more than any device holds"
+            )
         return self

@@ -1,7 +1,8 @@
 """One MQTT client for every Xronos process, bound to the wire contract (`xronos.contract.wire`).
 
 paho-mqtt 2.x with callback API version 2, speaking MQTT 3.1.1 (the embedded
-amqtt broker speaks nothing newer; Mosquitto speaks it too). `Bus` publishes
+amqtt broker speaks nothing newer; Mosquitto speaks it too), over TLS for
+`mqtts://` URLs (CA, client certificate and key from `BrokerSettings`). `Bus` publishes
 and receives typed messages only: every payload passes `Topic.decode`, and a
 message that breaks the contract (malformed, wrong schema or version, too
 large, an id in the payload that is not the topic's) is logged, counted in
@@ -15,10 +16,12 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlsplit
 
 import paho.mqtt.client as paho
@@ -31,8 +34,16 @@ from xronos.contract.errors import XronosError
 log = logging.getLogger("xronos.mqtt")
 
 
+SECURE_SCHEMES = ("mqtts", "ssl")
+PLAIN_SCHEMES = ("mqtt", "tcp")
+
+
 class BrokerSettings(BaseSettings):
-    """Where the broker is and who we are to it: flags win over `XRONOS_*` environment variables."""
+    """Where the broker is and who we are to it: flags win over `XRONOS_*` environment variables.
+
+    The password never comes from the command line (it would show in `ps` and shell
+    history): `XRONOS_PASSWORD`, or a file (`--password-file` / `XRONOS_PASSWORD_FILE`).
+    """
 
     model_config = SettingsConfigDict(env_prefix="XRONOS_", extra="ignore")
 
@@ -42,6 +53,26 @@ class BrokerSettings(BaseSettings):
     password_file: Path | None = None
     """A file holding the password (`XRONOS_PASSWORD_FILE`), read when no password is given: a
     container's secret file (`xronos deploy` writes one) stays out of `docker inspect` and `ps`."""
+    ca_file: Path | None = None
+    """With `mqtts://`: the CA that signed the broker's certificate (default: the system's CAs)."""
+    cert_file: Path | None = None
+    """With `mqtts://`: this client's certificate (the shipped Mosquitto config requires one)."""
+    key_file: Path | None = None
+    """With `mqtts://`: the private key of `cert_file` (a path: the key itself is never in argv)."""
+
+
+def redact(url: str) -> str:
+    """`url` with any password in it replaced by `***`, fit for error messages and logs."""
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    try:
+        secret = parts.password
+    except ValueError:
+        secret = None
+    if secret is None and "@" not in parts.netloc:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return url.replace(parts.netloc, f"{user}:***@{host}" if secret is not None else f"{user}@{host}", 1)
 
 
 @dataclass(frozen=True)
@@ -49,29 +80,83 @@ class BrokerAddress:
     host: str
     port: int
     username: str | None
-    password: str | None
+    password: str | None = field(default=None, repr=False)
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
+
+    def __str__(self) -> str:
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+def check_broker_url(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of `mqtt[s]://host[:port]` (a bare `host[:port]` is mqtt); errors never echo a secret.
+
+    A password inside the URL is refused: URLs end up in argv, logs and error text.
+    """
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    shown = redact(url)
+    if parts.scheme not in SECURE_SCHEMES + PLAIN_SCHEMES or not parts.hostname:
+        raise XronosError(f"bad broker URL {shown!r}: use mqtts://host:8883 (TLS) or mqtt://host:1883")
+    if "@" in parts.netloc:
+        raise XronosError(
+            f"bad broker URL {shown!r}: credentials do not go in the URL; use --username and "
+            "XRONOS_PASSWORD or --password-file"
+        )
+    try:
+        port = parts.port or (8883 if parts.scheme in SECURE_SCHEMES else 1883)
+    except ValueError:
+        raise XronosError(f"bad broker URL {shown!r}: the port is not a number") from None
+    return parts.scheme, parts.hostname, port
+
+
+def _readable(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise XronosError(f"the {what} {str(path)!r} does not exist or is not a file")
+    try:
+        path.open("rb").close()
+    except OSError as err:
+        raise XronosError(f"cannot read the {what} {str(path)!r}: {err.strerror or err}") from None
+    return path
+
+
+def tls_context(settings: BrokerSettings) -> ssl.SSLContext:
+    """A client context that verifies the broker (its CA, its host name) and presents our certificate."""
+    if (settings.cert_file is None) != (settings.key_file is None):
+        raise XronosError("give both a client certificate and its key (--cert-file and --key-file), or neither")
+    ca = settings.ca_file and _readable(settings.ca_file, "CA file")
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca) if ca else None)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if settings.cert_file is not None and settings.key_file is not None:
+        cert, key = _readable(settings.cert_file, "certificate file"), _readable(settings.key_file, "key file")
+        try:
+            context.load_cert_chain(str(cert), str(key))
+        except ssl.SSLError as err:
+            raise XronosError(f"the certificate {str(cert)!r} and key {str(key)!r} do not load: {err.reason}") from None
+    return context
 
 
 def broker_address(settings: BrokerSettings) -> BrokerAddress:
-    """Parse `mqtt://[user:password@]host[:port]` (a bare `host[:port]` works too)."""
-    url = settings.broker if "://" in settings.broker else f"mqtt://{settings.broker}"
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
-        raise XronosError(f"bad broker URL {settings.broker!r}: use mqtt://host:port")
+    """Parse the broker URL, read the password (environment or file) and build the TLS context for mqtts://."""
+    scheme, host, port = check_broker_url(settings.broker)
+    tls = tls_context(settings) if scheme in SECURE_SCHEMES else None
+    if tls is None and (settings.ca_file or settings.cert_file or settings.key_file):
+        raise XronosError(
+            f"a CA, certificate or key file was given but the broker URL {redact(settings.broker)!r} is not "
+            "mqtts://: use mqtts://host:8883"
+        )
+    return BrokerAddress(host, port, settings.username, read_password(settings), tls)
+
+
+def read_password(settings: BrokerSettings) -> str | None:
+    """`XRONOS_PASSWORD`, else the password file's first line (errors name the file, never its content)."""
+    if settings.password is not None:
+        return settings.password.get_secret_value()
+    if settings.password_file is None:
+        return None
     try:
-        port = parts.port or 1883
-    except ValueError:
-        raise XronosError(f"bad broker URL {settings.broker!r}: the port is not a number") from None
-    password = settings.password.get_secret_value() if settings.password else None
-    if password is None and settings.password_file is not None:
-        try:
-            password = settings.password_file.read_text().rstrip("\r\n")
-        except OSError as err:
-            raise XronosError(
-                f"cannot read the password file {str(settings.password_file)!r}: {err.strerror or err}"
-            ) from None
-    password = password if password is not None else parts.password
-    return BrokerAddress(parts.hostname, port, settings.username or parts.username, password)
+        return settings.password_file.read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as err:
+        why = getattr(err, "strerror", None) or ("not text" if isinstance(err, UnicodeDecodeError) else err)
+        raise XronosError(f"cannot read the password file {str(settings.password_file)!r}: {why}") from None
 
 
 Handler = Callable[[str, "wire._Message | None"], None]
@@ -95,6 +180,8 @@ class Bus:
         )
         if self.address.username:
             self.client.username_pw_set(self.address.username, self.address.password)
+        if self.address.tls is not None:
+            self.client.tls_set_context(self.address.tls)
         if will is not None:
             topic, ident, message = will
             self.client.will_set(topic.name(ident), topic.encode(message), qos=topic.qos, retain=topic.retain)
@@ -119,18 +206,47 @@ class Bus:
         """
         if wait is not None:  # a command-line client: say at once that nothing listens there
             try:
-                socket.create_connection((self.address.host, self.address.port), timeout=wait).close()
+                probe = socket.create_connection((self.address.host, self.address.port), timeout=wait)
             except OSError as err:
                 raise XronosError(
                     f"cannot connect to the broker at {self.address.host}:{self.address.port}: {err.strerror or err}"
                 ) from None
+            self._check_tls(probe)
         self.client.connect_async(self.address.host, self.address.port, keepalive=10)
         self.client.loop_start()
         if wait is not None and not self.connected.wait(wait):
             self.stop()
-            why = self.refused or "no answer"
+            why = self.refused or (
+                "no answer" if self.address.tls else "no answer (a TLS listener? use mqtts:// with --ca-file)"
+            )
             raise XronosError(f"cannot connect to the broker at {self.address.host}:{self.address.port}: {why}")
         return self
+
+    def _check_tls(self, sock: socket.socket) -> None:
+        """Shake hands over `sock` (then close it) so that a TLS problem is one clear line, not a silent retry."""
+        with sock:
+            if self.address.tls is None:
+                return
+            where = f"{self.address.host}:{self.address.port}"
+            try:
+                with self.address.tls.wrap_socket(sock, server_hostname=self.address.host) as tls:
+                    tls.settimeout(0.5)
+                    try:  # a broker that refuses our certificate says so just after the handshake
+                        closed = tls.recv(1) == b""
+                    except TimeoutError:
+                        closed = False
+                    if closed:
+                        raise XronosError(f"TLS to the broker at {where} failed: the broker closed the connection")
+            except ssl.SSLCertVerificationError as err:
+                raise XronosError(
+                    f"TLS to the broker at {where} failed: certificate verify failed: {err.verify_message} "
+                    "(is --ca-file the CA that signed the broker's certificate, for this host name?)"
+                ) from None
+            except ssl.SSLError as err:
+                raise XronosError(f"TLS to the broker at {where} failed: {err.reason or err}") from None
+            except OSError as err:
+                if err.errno is None:  # ssl's own "EOF occurred": the broker hung up
+                    raise XronosError(f"TLS to the broker at {where} failed: {err}") from None
 
     def stop(self) -> None:
         self.client.disconnect()
@@ -148,14 +264,17 @@ class Bus:
         self.connected.set()
 
     def _disconnected(self, client, userdata, flags, reason_code, properties) -> None:
+        was = self.connected.is_set()
         self.connected.clear()
-        if reason_code.value != 0:
+        if reason_code.value != 0 and was:  # a connection that never came up is reported by `start` or `refused`
             log.warning("lost the broker (%s); reconnecting", reason_code)
 
     # -- messages -------------------------------------------------------------------
-    def subscribe(self, topic: wire.Topic, handler: Handler, ident: str = "+") -> None:
+    def subscribe(
+        self, topic: wire.Topic[wire.M], handler: Callable[[str, wire.M | None], None], ident: str = "+"
+    ) -> None:
         """Receive `topic`'s messages (all ids, or one) in `handler`; call before `start` or while connected."""
-        self._subscriptions.append((topic, ident, handler))
+        self._subscriptions.append((topic, ident, cast(Handler, handler)))  # decode() gives it topic's model
         if self.connected.is_set():
             self.client.subscribe(topic.subscription() if ident == "+" else topic.name(ident), qos=max(topic.qos, 1))
 

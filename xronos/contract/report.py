@@ -1,4 +1,4 @@
-"""The run report (DESIGN.md contract) and the pure arithmetic of idle time.
+"""The run report (docs/command-line.md) and the pure arithmetic of idle time.
 
 Idle time of a device in a step = (slowest device's compute time) - (its own
 compute time); compute time = the step's wall time on that device minus the
@@ -88,20 +88,6 @@ class RankResult(BaseModel):
     vocabulary segment (`edge_node.tp.comm`)."""
     collective: CollectiveChoice | None = None
     """Tensor-parallel modes on more than one rank."""
-
-
-class LocalAssignment(BaseModel):
-    """The launcher's answer to profiled workers: each device's rank (None = left out)."""
-
-    ranks: list[int | None]
-    split: ShardSplit | None = None
-    profiles: list[DeviceProfile] | None = None
-    """Mode xronos: the participants' profiles in rank order, for re-planning."""
-    stages: list[tuple[int, int]] | None = None
-    micro_batches: int = 1
-    master_addr: str | None = None
-    master_port: int | None = None
-    """The rendezvous, where the workers could not be told it at start (node agents)."""
 
 
 class ExcludedDevice(BaseModel):
@@ -235,6 +221,8 @@ def build_report(
     if split is not None:
         shares = list(zip(split.kv_groups, split.mlp_columns, split.vocab_rows))
     else:
+        if stages is None or dims is None:
+            raise ValueError("build_report needs a split, or a pipeline run's stages and dims")
         shares = _pipeline_shares(stages, dims)
     results = sorted(results, key=lambda r: r.rank)
     n = len(results[0].step_seconds)

@@ -153,7 +153,8 @@ class ShardSplit(BaseModel):
 
         Raises XronosError for row shares that do not tile their group's rows in rank order.
         """
-        shares, pos, open_end = [], 0, 0
+        shares: list[tuple[tuple[int, int], tuple[int, int] | None]] = []
+        pos, open_end = 0, 0
         last = self.micro_batch_rows
         for r in range(self.world_size):
             rows = self.kv_rows[r] if self.kv_rows else None
@@ -183,7 +184,8 @@ class ShardSplit(BaseModel):
         a row share counts as its fraction of a group's rows."""
         last = self.micro_batch_rows
         kv = [
-            g if rows is None else (rows[1] - rows[0]) / last
+            # last is None only when no rank has rows
+            g if rows is None or last is None else (rows[1] - rows[0]) / last
             for g, rows in zip(self.kv_groups, self.kv_rows or [None] * self.world_size)
         ]
         return list(zip(kv, self.mlp_columns, self.vocab_rows))
@@ -271,6 +273,7 @@ def parse_split(text: str) -> dict[str, list]:
                 ) from None
             values = "/".join(v.partition("*")[0] for v in values.split("/"))
         elif "*" in item:
+            assert dim is not None  # a * mark outside WEIGHT_GRADS_LATER was rejected above
             out[WEIGHT_GRADS_LATER[dim]] = [v.endswith("*") for v in values.split("/")]
         values = values.replace("*", "")
         if key.strip() not in SPLIT_KEYS or not values:

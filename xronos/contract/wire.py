@@ -1,4 +1,4 @@
-"""The MQTT wire contract (DESIGN.md): one pydantic model per message, one place binding topics.
+"""The MQTT wire contract (docs/control-plane.md, docs/schema/): one pydantic model per message, one place binding topics.
 
 Every payload is JSON with a `schema_version`. `Topic.decode` is the only way
 bytes become a message: anything malformed (not JSON, wrong schema or version,
@@ -15,6 +15,7 @@ from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
+from xronos.contract.assignment import RankAssignment
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import RankResult, RunReport
@@ -74,36 +75,28 @@ class ProfileMessage(_Message):
     )
 
 
-class Assignment(_Message):
+class Assignment(RankAssignment, _Message):
     """A node's part in a job, written by the controller only (retained; cleared when the job ends).
 
     Phase `profile` asks the node to measure itself at the job's shapes; phase `train`
-    gives its rank (None: the plan leaves it out) and shard, and the rendezvous.
+    gives its rank (None: the plan leaves it out), shard and the rendezvous: the fields
+    of `RankAssignment`, flat, and checked as it checks them.
     """
 
     job_id: Id
     node_id: Id
     phase: Literal["profile", "train"]
     job: JobOptions
-    rank: int | None = Field(None, ge=0)
-    world_size: int | None = Field(None, ge=1)
-    master_addr: str | None = None
-    master_port: int | None = Field(None, ge=1, le=65535)
-    split: ShardSplit | None = None
-    stages: list[tuple[int, int]] | None = None
-    micro_batches: int = Field(1, ge=1)
-    profiles: list[DeviceProfile] | None = None
 
     @model_validator(mode="after")
-    def _complete(self) -> Assignment:
-        if self.phase == "train" and self.rank is not None:
-            if None in (self.world_size, self.master_addr, self.master_port):
-                raise ValueError("a training assignment needs world_size, master_addr and master_port")
-            if self.rank >= self.world_size:
-                raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-            if (self.split is None) == (self.stages is None):
-                raise ValueError("a training assignment needs a split (tensor parallel) or stages (pipeline)")
+    def _no_rank_to_profile(self) -> Assignment:
+        if self.phase == "profile" and self.rank is not None:
+            raise ValueError("a profile assignment gives no rank")
         return self
+
+    def rank_assignment(self) -> RankAssignment:
+        """The fields that the node's worker needs, as the worker reads them."""
+        return RankAssignment.model_validate(self.model_dump(include=set(RankAssignment.model_fields)))
 
 
 class NodeResult(_Message):

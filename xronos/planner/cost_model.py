@@ -8,6 +8,7 @@ with it; docs/architecture.md derives it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from xronos.contract.profiles import (
@@ -94,7 +95,7 @@ def vocab_later_seconds(p: DeviceProfile, dims: ModelDims, rows: int) -> float:
 def step_seconds(
     profiles: list[DeviceProfile],
     dims: ModelDims,
-    shares: list[tuple[float, float, float]],
+    shares: Sequence[tuple[float, float, float]],
     shared_groups: int = 0,
     later: list[bool] | None = None,
     attention_later: list[bool] | None = None,

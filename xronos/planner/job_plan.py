@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from xronos.contract.assignment import RankAssignment
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
@@ -49,6 +50,22 @@ class JobPlan(BaseModel):
     def world_size(self) -> int:
         return len(self.members)
 
+    def rank_assignment(self, device: int, master_addr: str, master_port: int) -> RankAssignment:
+        """Device `device`'s part in the plan (its rank None: left out), with the job's rendezvous."""
+        rank = self.ranks[device]
+        if rank is None:
+            return RankAssignment()
+        return RankAssignment(
+            rank=rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            split=self.split,
+            stages=self.stages,
+            micro_batches=self.micro_batches,
+            profiles=self.profiles,
+        )
+
 
 def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan:
     """The layout of `job` over devices with these profiles (all measured at the job's shapes)."""
@@ -66,18 +83,18 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
             predicted_step_seconds=plan.predicted_step_seconds,
         )
     if job.mode == "xronos":
-        plan = plan_partition(profiles, dims, micro_batch, job.seq_len)
-        ranks = [d.rank for d in plan.devices]
+        partition = plan_partition(profiles, dims, micro_batch, job.seq_len)
+        ranks = [d.rank for d in partition.devices]
         members = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
         return JobPlan(
             ranks=ranks,
-            reasons=[c.reason for c in plan.devices],
-            split=plan.split,
+            reasons=[c.reason for c in partition.devices],
+            split=partition.split,
             profiles=[profiles[d] for d in members],
-            predicted=[plan.devices[d].compute_seconds * job.grad_accum for d in members],
-            predicted_step_seconds=plan.predicted_step_seconds * job.grad_accum,
-            optimal=plan.optimal,
-            predicted_idle_ratio=plan.predicted_idle_ratio,
+            predicted=[partition.devices[d].compute_seconds * job.grad_accum for d in members],
+            predicted_step_seconds=partition.predicted_step_seconds * job.grad_accum,
+            optimal=partition.optimal,
+            predicted_idle_ratio=partition.predicted_idle_ratio,
         )
     if job.mode == "single" and n != 1:
         raise XronosError(f"mode single trains on one device, not {n}")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 from xronos.contract.profiles import (
     DeviceProfile,
@@ -27,7 +28,13 @@ from xronos.contract.splits import ModelDims, ShardSplit
 from xronos.planner.cost_model import Later, device_compute, dim_units, to_split
 
 
-def water_fill(costs: list[Segment], units: int) -> tuple[float, list[int]]:
+class UnitCost(Protocol):
+    """A device's seconds for a number of units (never decreasing in them): a Segment, MlpCost or VocabCost."""
+
+    def seconds(self, units: float) -> float: ...
+
+
+def water_fill(costs: Sequence[UnitCost], units: int) -> tuple[float, list[int]]:
     """Exact integer min-max: give `units` one at a time to the device that would finish first.
 
     Device i takes costs[i].seconds(u_i), which never decreases in u_i (the first unit also
@@ -69,7 +76,7 @@ def attention_layout(
         """[(slowest, shares, share of rank i, next state)] for ranks i.. from this state, Pareto-pruned."""
         if i == n:
             return ((0.0, 0, None, None),) if g == groups and taken == 0 else ()
-        moves = []
+        moves: list[tuple[float, tuple[int, int], int, Share]] = []
         if taken == 0:
             moves += [(k, (g + k, 0), 0, (k, None)) for k in range(groups - g + 1)]
             if g < groups:
@@ -87,7 +94,7 @@ def attention_layout(
             for slowest, shares, _, _ in front(i + 1, *state):
                 found.append((max(mine, slowest), shares + new_share, share, (state, shares)))
         found.sort(key=lambda e: (e[0], e[1]))
-        pruned = []
+        pruned: list[tuple[float, int, Share, tuple[tuple[int, int], int]]] = []
         for entry in found:  # keep each entry that needs fewer shares than every faster one
             if not pruned or entry[1] < pruned[-1][1]:
                 pruned.append(entry)
@@ -146,7 +153,7 @@ class MlpCost(NamedTuple):
 
 
 def mlp_costs(
-    profiles: list[DeviceProfile], attention_units: list[float] | None, deferred: list[float] | None = None
+    profiles: list[DeviceProfile], attention_units: Sequence[float] | None, deferred: list[float] | None = None
 ) -> list[MlpCost]:
     """Each device's MLP cost beside these attention shares, of which each device defers `deferred`
     seconds of weight-gradient products to its MLP segment (None: room without limit, a lower bound)."""
@@ -208,7 +215,7 @@ def vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, rooms: list[flo
     return tv, v, later._replace(vocab=taken if any(taken) else None)
 
 
-def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], blocks: int):
+def _attention_then_mlp(profiles: list[DeviceProfile], units: Sequence[float], blocks: int):
     """Given each device's attention units: which devices defer their attention's weight gradients
     to the MLP segment, and the MLP split beside that. Returns (attention + MLP seconds per layer,
     MLP blocks, Later, each device's room left in its attention backward span after its MLP moves).
@@ -234,7 +241,7 @@ def _attention_then_mlp(profiles: list[DeviceProfile], units: list[float], block
     return best
 
 
-def beside_attention(profiles: list[DeviceProfile], dims: ModelDims, units: list[float]):
+def beside_attention(profiles: list[DeviceProfile], dims: ModelDims, units: Sequence[float]):
     """Given each device's attention units (KV groups, a fraction where rows share one): the best MLP
     and vocabulary beside it (`_attention_then_mlp`, then `vocab_beside`). Returns (the step's
     compute seconds, collectives apart; MLP blocks, vocabulary blocks, Later)."""

@@ -164,7 +164,7 @@ def solve_members(
         # deferral removes
         return L * (_fractional_level(kept, G) + tm_least) + tv_least + coll, coll, [(k, None) for k in g], m, v, moves
     g_kept = water_fill(kept, G)[1]
-    options = []
+    options: list[tuple[float, list[int], list[int], list[int], Later]] = []
     for groups in attention_candidates(attn, G, [g] + ([g_kept] if g_kept != g else [])):
         # nor any attention segment than its slowest device's with its products deferred: a layout
         # that cannot come within the tolerance of the shortest so far is not priced
@@ -217,7 +217,8 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
             for p, (attn, _, vocab) in zip(profiles, map(unit_costs, profiles))
         ]
     )
-    found, seen = {}, set()
+    found: dict[tuple[int, ...], None] = {}
+    seen: set[bytes] = set()
     for a in np.unique(keys[:, 0]):
         for b in np.unique(keys[:, 1]):
             inside = np.flatnonzero((keys[:, 0] <= a) & (keys[:, 1] <= b))

@@ -32,6 +32,23 @@ class PipelinePlan(BaseModel):
     predicted_step_seconds: float
 
 
+def stages_from_layers(
+    layer_counts: list[int], stages: int, num_layers: int, micro_batches: int
+) -> list[tuple[int, int]]:
+    """Layers [lo, hi) of each stage from an explicit `layers=a/b/c` split (`--split` of mode pp), checked."""
+    if len(layer_counts) != stages or sum(layer_counts) != num_layers:
+        raise XronosError(
+            f"split layers {'+'.join(map(str, layer_counts))} must give {stages} stages "
+            f"summing to the model's {num_layers} layers"
+        )
+    if any(count == 0 for count in layer_counts[1:-1]):
+        raise XronosError("a middle pipeline stage needs at least one layer")
+    if micro_batches < stages:
+        raise XronosError(f"a 1F1B pipeline of {stages} stages needs at least {stages} micro-batches")
+    ends = list(itertools.accumulate(layer_counts))
+    return [(end - count, end) for end, count in zip(ends, layer_counts)]
+
+
 def split_layers(per_layer: list[float], head: float, n_layers: int) -> tuple[float, list[tuple[int, int]]]:
     """Exact contiguous min-max split of `n_layers` over stages with the given per-layer seconds.
 
@@ -67,7 +84,7 @@ def plan_pipeline(profiles: list[DeviceProfile], dims: ModelDims, batch_size: in
     if batch_size % micro_batches:
         raise XronosError(f"--micro-batches {micro_batches} must divide --batch-size {batch_size}")
     scale = (batch_size / micro_batches) / profiles[0].shape.micro_batch
-    best = None
+    best: tuple[float, list[int], list[tuple[int, int]]] | None = None
     for size in range(1, min(len(profiles), dims.num_layers, micro_batches) + 1):  # 1F1B needs M >= stages
         for order in itertools.permutations(range(len(profiles)), size):
             per_layer = [layer_seconds(profiles[d], dims) * scale for d in order]
@@ -76,11 +93,13 @@ def plan_pipeline(profiles: list[DeviceProfile], dims: ModelDims, batch_size: in
             step = (micro_batches + size - 1) * slowest
             if best is None or step < best[0]:
                 best = (step, list(order), stages)
-    step, order, stages = best
+    if best is None:
+        raise XronosError("no pipeline layout: there are no devices or no layers to place")
+    step, devices, stages = best
     seconds = []
-    for k, (d, (lo, hi)) in enumerate(zip(order, stages)):
-        head = head_seconds(profiles[d], dims) if k == len(order) - 1 else 0.0
+    for k, (d, (lo, hi)) in enumerate(zip(devices, stages)):
+        head = head_seconds(profiles[d], dims) if k == len(devices) - 1 else 0.0
         seconds.append(((hi - lo) * layer_seconds(profiles[d], dims) + head) * scale)
     return PipelinePlan(
-        devices=order, stages=stages, stage_seconds=seconds, micro_batches=micro_batches, predicted_step_seconds=step
+        devices=devices, stages=stages, stage_seconds=seconds, micro_batches=micro_batches, predicted_step_seconds=step
     )

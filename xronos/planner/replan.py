@@ -89,14 +89,15 @@ def calibration_factors(
             p,
             dims,
             share,
-            *(split.rank_computes_weight_grads_later(dim, r) for dim in ("mlp_columns", "kv_groups")),
+            split.rank_computes_weight_grads_later("mlp_columns", r),
+            split.rank_computes_weight_grads_later("kv_groups", r),
             split.vocab_later(r),
         )
         held = [u > 0 and x > 0 and y > 0 for u, x, y in zip(share, parts, seen.segments)]
         logs.append([float(np.log(y / x)) if h else None for h, x, y in zip(held, parts, seen.segments)])
         weights.append([x if h else 0.0 for h, x in zip(held, parts)])
     means = [
-        np.mean(known) if (known := [row[c] for row in logs if row[c] is not None]) else 0.0
+        np.mean(known) if (known := [x for row in logs if (x := row[c]) is not None]) else 0.0
         for c in range(len(SEGMENT_FIELDS))
     ]
     factors = []
