@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -44,8 +47,9 @@ from controller.registry import Registry
 from xronos.contract import wire
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
-from xronos.contract.mqtt import BrokerSettings, Bus
-from xronos.contract.report import RankResult
+from xronos.contract.job import JobOptions
+from xronos.contract.mqtt import SECURE_SCHEMES, BrokerSettings, Bus, check_broker_url
+from xronos.contract.report import RankResult, RunReport, thin_series
 from xronos.planner.job_plan import JobPlan, plan_job, planned_report
 
 log = logging.getLogger("xronos.controller")
@@ -64,6 +68,23 @@ LEFTOVER_SECONDS = 10.0
 """After (re)connecting, a retained assignment older than this controller is an earlier one's leftover."""
 MAX_REASON = 2000
 """Characters of a failure reason kept in a job status."""
+CONTROLLER_BEAT = 2.0
+"""Seconds between the live controller's `online` statuses (retained): a starting one tells it from a stale one."""
+PROBE_SECONDS = 2 * CONTROLLER_BEAT + 1.0
+"""How long a starting controller that finds a retained `online` waits for a fresh one before calling it stale."""
+PROBE_CONNECT_SECONDS = 10.0
+"""How long a starting controller's probe waits for the broker."""
+DEVICE_PORT, OPERATOR_PORT = 8883, 8884
+"""The shipped Mosquitto's listeners: client ids bound to usernames on the first, free on the second."""
+STALL_STEPS = 20.0
+"""The watchdog fails a running job when a node made no progress for this many predicted steps (or
+`--stall-floor` seconds, if longer) plus twice the job's collective timeout (`stall_limit`)."""
+COMMAND_SETTLE = 2.0
+"""Seconds after a (re)connect that commands wait for the retained births to arrive: the commands queued in
+the controller's session come first, before it knows any node. Longer (up to the heartbeat timeout) while a
+node's `offline`, which a broker that shut down publishes for everyone, waits for its birth."""
+HELD_KEPT = 100_000
+"""Commands held at most while settling; beyond, they are handled at once."""
 
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout", "Gloo")
 
@@ -83,10 +104,105 @@ class ControllerOptions(BaseModel):
         900.0, gt=0, le=86_400, allow_inf_nan=False, description="Seconds a job may wait for its nodes' profiles."
     )
     keep_jobs: int = Field(100, ge=1, le=100_000, description="Finished jobs kept (status, report on disk).")
+    probe_broker: str | None = Field(
+        None,
+        description="Where to look for another live controller before connecting (`probe_url`): a listener "
+        "where client ids are not bound to usernames, so the look cannot take over a live controller's session.",
+    )
+    stall_floor: float = Field(
+        120.0,
+        ge=1.0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="Seconds: the least a running job's node may go without progress before the watchdog "
+        "fails the job (`stall_limit`), however short its predicted step.",
+    )
+
+
+def stall_limit(job: JobOptions, predicted_step_seconds: float | None, floor: float) -> float:
+    """Seconds a running job's node may go without a new step before the watchdog fails the job.
+
+    STALL_STEPS predicted steps (the prediction can be off several times over, and a device
+    slowed 20-fold is as good as stalled), never under `floor` (steps of tiny jobs take
+    milliseconds; scheduling and heartbeats take seconds), plus two collective timeouts: the
+    longest pauses between two steps that are not stalls (the slowest device's load before the
+    first step, a checkpoint or the final save, a re-shard's save and reload) must each fit in one
+    collective timeout, as its peers wait for them in a collective (`JobOptions.collective_timeout`).
+    """
+    return max(floor, STALL_STEPS * (predicted_step_seconds or 0.0)) + 2 * job.collective_timeout
 
 
 def _shorten(text: str, limit: int = MAX_REASON) -> str:
     return text if len(text) <= limit else text[: limit - 20] + f"... ({len(text):,} chars)"
+
+
+class RunningJob(BaseModel):
+    """A job in flight as `--state-dir/running/<job>.json` keeps it (written before its assignments go out,
+    removed when it finishes): what a restarted controller needs to see it through without re-planning it."""
+
+    command: wire.TrainCommand
+    nodes: list[str]
+    status: wire.JobStatus
+    profiles: dict[str, wire.ProfileMessage] = {}
+    plan: JobPlan | None = None
+    assignments: dict[str, wire.Assignment] = {}
+
+
+def probe_url(broker: str) -> str:
+    """Where a starting controller looks for a live one: on TLS, the shipped operator listener (8884) of the
+    same host, since on 8883 the broker binds the client id to the username and any connection as
+    `controller` would take over the live controller's session; elsewhere the broker URL itself."""
+    scheme, host, _ = check_broker_url(broker)
+    return f"{scheme}://{host}:{OPERATOR_PORT}" if scheme in SECURE_SCHEMES else broker
+
+
+def live_controller(settings: BrokerSettings, url: str, wait: float) -> wire.ControllerStatus | None:
+    """The controller live on the broker, if any: asked at `url` under a client id of its own, before this
+    process connects under the controller's. Live means its retained `online` is followed by a fresh one
+    within PROBE_SECONDS (a live controller says it every CONTROLLER_BEAT): a retained `online` with nothing
+    after it is stale (its holder died where no will could be published, say while the broker was down)."""
+    seen: list[wire.ControllerStatus | None] = []
+    arrived = threading.Condition()
+
+    def on_status(_: str, msg: wire.ControllerStatus | None) -> None:
+        with arrived:
+            seen.append(msg)
+            arrived.notify_all()
+
+    probe = Bus(settings.model_copy(update={"broker": url}), client_id=f"xronos-controller-probe-{uuid.uuid4().hex}")
+    probe.subscribe(wire.CONTROLLER_STATUS, on_status)
+    probe.start(wait=wait)
+    try:
+        deadline = time.monotonic() + PROBE_SECONDS
+        with arrived:
+            arrived.wait_for(lambda: seen, timeout=1.0)  # the retained status comes right after subscribing
+            while True:
+                latest = seen[-1] if seen else None
+                if latest is None or latest.state == "offline":
+                    return None
+                if len({m.ts for m in seen if m is not None and m.state == "online"}) >= 2:
+                    return latest
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning(
+                        "a stale `online` of controller %s (pid %s on %s) is retained: taking over",
+                        latest.instance,
+                        latest.pid,
+                        latest.host,
+                    )
+                    return None
+                arrived.wait(left)
+    finally:
+        probe.stop()
+
+
+def refusal(other: wire.ControllerStatus) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other.started))
+    return (
+        f"another controller is live on this broker (instance {other.instance}, pid {other.pid} on "
+        f"{other.host}, up since {since}): not starting a second one; stop that one first "
+        f"(a controller restarted after a crash starts once the broker has published the old one's last will)"
+    )
 
 
 class Job:
@@ -102,6 +218,10 @@ class Job:
         self.planning = False
         self.failures: dict[str, str] = {}
         self.fail_at: float | None = None
+        self.parts: dict[str, dict[int, wire.NodeResult]] = {}
+        """The parts of a long result received so far, by node (`wire.result_parts`)."""
+        self.progress: dict[str, tuple[int, float]] = {}
+        """Per member while running: the last step it reported, and when (monotonic) it first did."""
 
     @property
     def id(self) -> str:
@@ -111,6 +231,30 @@ class Job:
     def members(self) -> list[str]:
         """Participating nodes in rank order (all chosen nodes until planned)."""
         return [self.nodes[d] for d in self.plan.members] if self.plan else self.nodes
+
+
+def _failure_reason(job: Job) -> str:
+    """The nodes' failures, root causes first. A member that sent none while the others' collectives
+    broke or timed out is named first: frozen, unplugged or cut off, it is what they waited for."""
+    ranked = sorted(job.failures.items(), key=lambda kv: _is_peer_error(kv[1]))
+    echoes = all(_is_peer_error(e) or "timed out" in e.lower() or "timeout" in e.lower() for e in job.failures.values())
+    silent = [n for n in job.members if n not in job.failures and n not in job.results and n not in job.parts]
+    named = [f"node {n}: {e}" for n, e in ranked]
+    if job.plan is not None and echoes and silent:
+        named.insert(0, f"node {', '.join(silent)} reported nothing while its peers' collectives failed waiting")
+    return "; ".join(named)
+
+
+def _fitting(status: wire.JobStatus, report: RunReport) -> RunReport:
+    """The report as the job's status carries it: its per-step series thinned (`thin_series`) until the
+    status fits in one message; every aggregate of it stays computed from every step."""
+    every = 1
+    while True:
+        fitted = thin_series(report, every)
+        size = len(wire.JOB_STATUS.encode(status.model_copy(update={"report": fitted})))
+        if size <= wire.MAX_PAYLOAD_BYTES - 4096 or every >= len(report.losses):
+            return fitted
+        every *= 2
 
 
 class Controller:
@@ -130,11 +274,24 @@ class Controller:
         self.clearing: collections.Counter[str] = collections.Counter()
         """Clears this controller published whose echo has not come back, by node."""
         self.started_at = time.time()
+        self.settings = settings
+        self.instance = uuid.uuid4().hex[:16]
+        """This process among controllers (`xronos/controller/status`)."""
         self.connected_at = time.monotonic()
         self.lags: collections.deque[float] = collections.deque(maxlen=200_000)
         self.lock = threading.RLock()
         self.stopping = threading.Event()
-        self.bus = Bus(settings, client_id=client_id, on_invalid=self.metrics.dropped, on_connect=self._connected)
+        self.held: collections.deque[tuple[str, wire.TrainCommand | wire.StopCommand]] = collections.deque()
+        """Commands that came while settling after a (re)connect, in order (COMMAND_SETTLE)."""
+        # a persistent session: commands sent while this controller is away wait on the broker for it
+        self.bus = Bus(
+            settings,
+            client_id=client_id,
+            on_invalid=self.metrics.dropped,
+            on_connect=self._connected,
+            clean_session=False,
+            will=(wire.CONTROLLER_STATUS, "", self._controller_status("offline")),
+        )
         for topic, handler in (
             (wire.NODE_STATUS, self._on_status),
             (wire.HEARTBEAT, self._on_heartbeat),
@@ -144,6 +301,7 @@ class Controller:
             (wire.JOB_STATUS, self._on_job_status),
             (wire.TRAIN, self._on_train),
             (wire.STOP, self._on_stop),
+            (wire.CONTROLLER_STATUS, self._on_controller_status),
         ):
             self.bus.subscribe(topic, self._locked(handler, topic.family))
 
@@ -161,16 +319,78 @@ class Controller:
         return run
 
     def _connected(self) -> None:
-        self.connected_at = time.monotonic()
+        """(Re)connected: nodes get a full heartbeat timeout from now (nobody was heard while the controller
+        was away), and what is in force is published again, since a broker that crashed may have lost it or
+        kept an older copy: the jobs' statuses and the nodes' assignments (a node ignores one it has handled)."""
+        with self.lock:
+            self.connected_at = time.monotonic()
+            self.registry.refresh(self.connected_at)
+            for job in list(self.jobs.values()):
+                self._publish_status(job)
+            for node_id, assignment in list(self.written.items()):
+                self.bus.publish(wire.ASSIGNMENT, node_id, assignment)
+            self._announce()
+
+    # -- one controller at a time ----------------------------------------------------------
+    def _controller_status(self, state: str) -> wire.ControllerStatus:
+        return wire.ControllerStatus(
+            state=state,
+            instance=self.instance,
+            started=self.started_at,
+            host=socket.gethostname()[:255],
+            pid=os.getpid(),
+        )
+
+    def _announce(self) -> None:
+        self.bus.publish(wire.CONTROLLER_STATUS, "", self._controller_status("online"))
+
+    def _announce_loop(self) -> None:
+        while not self.stopping.wait(CONTROLLER_BEAT):
+            if self.bus.connected.is_set():
+                self._announce()
+
+    def _on_controller_status(self, _: str, msg: wire.ControllerStatus | None) -> None:
+        """Another controller's `online` is said loudly (two on one broker); an `offline` or a clear (a will
+        the broker published as it shut down, a forgery) is answered with this one's `online`."""
+        if msg is not None and msg.state == "online":
+            if msg.instance != self.instance:
+                log.warning(
+                    "another controller (instance %s, pid %s on %s) says it is live on this broker too",
+                    msg.instance,
+                    msg.pid,
+                    msg.host,
+                )
+            return
+        if self.bus.connected.is_set():
+            self._announce()
+
+    def _refuse_if_another_is_live(self, wait: float | None) -> None:
+        """Before connecting as the controller: a live one there means this one must not start (exit 2)."""
+        url = self.o.probe_broker or probe_url(self.settings.broker)
+        while True:
+            try:
+                other = live_controller(self.settings, url, wait or PROBE_CONNECT_SECONDS)
+                break
+            except XronosError as err:
+                why = f"cannot look for another live controller at {url} (--probe-broker): {err}"
+                if wait is not None:
+                    raise XronosError(why) from None
+                log.warning("%s; trying again", why)
+                if self.stopping.wait(2.0):
+                    return
+        if other is not None:
+            raise XronosError(refusal(other))
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, wait: float | None = 10.0) -> Controller:
+        self._refuse_if_another_is_live(wait)  # before its state is read, and before it connects as the controller
         self._load_state()
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
         self.bus.start(wait=wait)
         self._ticker = threading.Thread(target=self._tick_loop, daemon=True)
         self._ticker.start()
+        threading.Thread(target=self._announce_loop, daemon=True, name="announce").start()
         return self
 
     def stop(self, *_) -> None:
@@ -178,6 +398,8 @@ class Controller:
 
     def close(self) -> None:
         self.stopping.set()
+        if self.bus.connected.is_set():  # else the broker publishes the will
+            self.bus.publish(wire.CONTROLLER_STATUS, "", self._controller_status("offline")).wait_for_publish(2)
         self.bus.stop()
         self.metrics.close()
 
@@ -187,22 +409,26 @@ class Controller:
                 self.tick(time.monotonic())
 
     def tick(self, now: float) -> None:
-        """Liveness and timeouts: lost nodes fail their jobs; jobs stuck in planning fail."""
-        for node in self.registry.expire(now):
-            log.warning("node %s lost: %s", node.node_id, node.lost_reason)
-            self._node_lost(node.node_id, node.lost_reason or "lost")
+        """Liveness and timeouts: lost nodes fail their jobs; jobs stuck in planning fail; held commands run.
+
+        Nobody is declared lost while the controller is cut off from the broker (it hears no one then)."""
+        if self.bus.connected.is_set():
+            for node in self.registry.expire(now):
+                log.warning("node %s lost: %s", node.node_id, node.lost_reason)
+                self._node_lost(node.node_id, node.lost_reason or "lost")
+            self._run_held(now)
         busy = {n for j in self.jobs.values() for n in j.nodes}
         for node_id in self.registry.forget_offline(KEPT_OFFLINE_NODES, keep=busy):
             self.metrics.forget_node(node_id)
         for job in list(self.jobs.values()):
             if job.fail_at is not None and now >= job.fail_at:
-                ranked = sorted(job.failures.items(), key=lambda kv: _is_peer_error(kv[1]))
-                self._finish(job, "failed", reason="; ".join(f"node {n}: {e}" for n, e in ranked))
+                self._finish(job, "failed", reason=_failure_reason(job))
             elif job.status.state == "planning" and now - job.started > self.o.profile_timeout:
                 missing = sorted(set(job.nodes) - set(job.profiles))
                 self._finish(
                     job, "failed", reason=f"no profile from {', '.join(missing)} in {self.o.profile_timeout:g} s"
                 )
+        self._watch_progress(now)
         self.metrics.nodes_online.set(self.registry.online_count)
         self.metrics.nodes_known.set(len(self.registry.nodes))
         for node in self.registry.nodes.values():
@@ -223,9 +449,9 @@ class Controller:
         if msg.state == "online":
             self.registry.online(node_id, time.monotonic())
             log.info("node %s online", node_id)
-        elif self.registry.offline(node_id, "went offline") is not None:
-            log.info("node %s offline", node_id)
-            self._node_lost(node_id, "went offline")
+        elif self.registry.said_offline(node_id, time.monotonic()) is not None:
+            # a broker shutting down publishes every client's will: lost only if it stays silent (tick)
+            log.info("node %s said offline; lost unless heard from in %g s", node_id, self.registry.timeout)
 
     def _on_heartbeat(self, node_id: str, msg: wire.Heartbeat | None) -> None:
         if msg is None:
@@ -235,10 +461,10 @@ class Controller:
         if node is None:
             self._unknown("nodes/+/heartbeat", node_id)
             return
-        if not node.online:  # a node declared lost (a network cut, a forged `offline`) that is alive after all
+        if not node.online or node.said_offline:  # lost, or said offline (a broker's restart, a forgery): alive
             log.info("node %s is back (heartbeat)", node_id)
-            node = self.registry.online(node_id, time.monotonic())
-        node.last_seen, node.last_heartbeat_ts = time.monotonic(), msg.ts
+        node = self.registry.heard(node_id, time.monotonic()) or node
+        node.last_heartbeat_ts = msg.ts
         node.state, node.job_id, node.step, node.loss = msg.state, msg.job_id, msg.step, msg.loss
         job = self.jobs.get(msg.job_id) if msg.job_id else None
         if job is not None and job.status.state == "running" and msg.step is not None and node_id in job.members:
@@ -246,6 +472,8 @@ class Controller:
                 self.bus.drop("nodes/+/heartbeat", f"{node_id}: step {msg.step} of a {job.command.job.steps}-step job")
             elif job.status.step is None or msg.step > job.status.step:
                 self._publish_status(job, step_seconds=msg.step_seconds, step=msg.step, loss=msg.loss)
+            if 0 <= msg.step <= job.command.job.steps and msg.step > job.progress.get(node_id, (-1, 0.0))[0]:
+                job.progress[node_id] = (msg.step, time.monotonic())
         lag = time.time() - msg.ts
         self.lags.append(lag)
         self.metrics.heartbeat_lag.observe(max(0.0, lag))
@@ -285,7 +513,18 @@ class Controller:
             return
         if job.status.state != "running" or node_id not in job.members or msg.result is None:
             return
-        job.results[node_id] = msg.result
+        if msg.parts > 1:  # a long job's result, in parts: the report needs every step of every rank
+            parts = job.parts.setdefault(node_id, {})
+            if any(m.parts != msg.parts for m in parts.values()):
+                parts.clear()  # parts of another sending (a retained copy of an older one): start again
+            parts[msg.part] = msg
+            if len(parts) < msg.parts:
+                return
+            result = wire.join_result_parts(list(parts.values()))
+            del job.parts[node_id]
+        else:
+            result = msg.result
+        job.results[node_id] = result
         if set(job.results) == set(job.members):
             self._complete(job)
 
@@ -313,7 +552,12 @@ class Controller:
     def _on_job_status(self, job_id: str, msg: wire.JobStatus | None) -> None:
         """A job left unfinished by an earlier controller (a restart) is marked failed, not left `running`;
         one left finished joins the kept window (so it is removed in its turn, not retained for ever)."""
-        if msg is None or job_id in self.jobs or msg.ts >= self.started_at:
+        if msg is None or msg.ts >= self.started_at:
+            return
+        job = self.jobs.get(job_id)
+        if job is not None:  # restored from --state-dir: the retained status may know a later step
+            if job.status.state == msg.state == "running" and (msg.step or 0) > (job.status.step or 0):
+                job.status = job.status.model_copy(update={"step": msg.step, "loss": msg.loss})
             return
         if msg.finished:
             if job_id in self.finished or job_id in self.rejected:
@@ -336,12 +580,61 @@ class Controller:
                 self._finish(job, "failed", reason=f"node {node_id} {reason}")
 
     # -- commands ----------------------------------------------------------------------
+    def _settling(self, now: float) -> bool:
+        """Just (re)connected: the retained births (and the births of nodes whose will the broker published
+        as it shut down) are still to come; commands wait (COMMAND_SETTLE)."""
+        since = now - self.connected_at
+        if not self.bus.connected.is_set() or since < COMMAND_SETTLE:
+            return True
+        return since < self.registry.timeout and any(n.said_offline for n in self.registry.nodes.values())
+
+    def _hold(self, kind: str, cmd: wire.TrainCommand | wire.StopCommand) -> bool:
+        """Keep `cmd` for later if commands are waiting (settling, or older ones held); True if kept."""
+        if (self.held or self._settling(time.monotonic())) and len(self.held) < HELD_KEPT:
+            self.held.append((kind, cmd))
+            return True
+        return False
+
+    def _run_held(self, now: float) -> None:
+        while self.held and not self._settling(now):
+            kind, cmd = self.held.popleft()
+            try:
+                if isinstance(cmd, wire.TrainCommand):
+                    self._train(cmd)
+                else:
+                    self._stop(cmd)
+            except Exception as err:  # noqa: BLE001 - the handler boundary, as in `_locked`
+                log.exception("handling a held command on cmd/%s failed", kind)
+                self.bus.drop(f"cmd/{kind}", f"handler failed: {type(err).__name__}: {err}")
+
     def _on_train(self, _: str, cmd: wire.TrainCommand | None) -> None:
         if cmd is None:
             self.bus.drop("cmd/train", "an empty command")
             return
+        if not self._hold("train", cmd):
+            self._train(cmd)
+
+    def _answer_taken(self, job_id: str) -> None:
+        """A command for a job id already known (a duplicate, or a redelivery): counted, never run again, and
+        answered with the job's status as it stands (a finished one's from `--state-dir`, report and all)."""
+        self.bus.drop("cmd/train", f"job id {job_id!r} is taken")
+        job = self.jobs.get(job_id)
+        if job is not None:
+            self._publish_status(job)
+        elif job_id in self.rejected:
+            self.bus.publish(wire.JOB_STATUS, job_id, self.rejected[job_id])
+        elif self.o.state_dir is not None and (self.o.state_dir / "jobs" / f"{job_id}.json").is_file():
+            try:
+                status = wire.JobStatus.model_validate_json((self.o.state_dir / "jobs" / f"{job_id}.json").read_text())
+            except (OSError, ValueError) as err:
+                log.warning("cannot answer the duplicate command for %s: %s", job_id, err)
+                return
+            self.bus.publish(wire.JOB_STATUS, job_id, status)
+        # else: a finished job kept without its report: its retained status (report and all) is the answer
+
+    def _train(self, cmd: wire.TrainCommand) -> None:
         if cmd.job_id in self.jobs or cmd.job_id in self.finished or cmd.job_id in self.rejected:
-            self.bus.drop("cmd/train", f"job id {cmd.job_id!r} is taken")
+            self._answer_taken(cmd.job_id)
             return
         busy = {n for j in self.jobs.values() for n in j.nodes}
         if cmd.nodes is not None:
@@ -349,7 +642,7 @@ class Controller:
                 f"{n} is unknown"
                 if n not in self.registry.nodes
                 else f"{n} is offline"
-                if not self.registry.nodes[n].online
+                if not self.registry.nodes[n].online or self.registry.nodes[n].said_offline
                 else f"{n} is busy"
                 for n in dict.fromkeys(cmd.nodes)
                 if n not in self.registry.available(busy)
@@ -367,9 +660,11 @@ class Controller:
         job = Job(cmd, nodes)
         self.jobs[cmd.job_id] = job
         log.info("job %s: %s on %s", cmd.job_id, cmd.job.mode, ", ".join(nodes))
+        assignments = {n: wire.Assignment(job_id=job.id, node_id=n, phase="profile", job=cmd.job) for n in nodes}
+        self._save(job, assignments)
         self._publish_status(job)
-        for node_id in nodes:
-            self._assign(node_id, wire.Assignment(job_id=job.id, node_id=node_id, phase="profile", job=cmd.job))
+        for node_id, assignment in assignments.items():
+            self._assign(node_id, assignment)
 
     def _reject(self, cmd: wire.TrainCommand, nodes: list[str], problems: list[str]) -> None:
         """A command that cannot run: counted, and a failed status retained for whoever waits on it,
@@ -388,6 +683,10 @@ class Controller:
         if cmd is None:
             self.bus.drop("cmd/stop", "an empty command")
             return
+        if not self._hold("stop", cmd):  # after the train commands that came before it
+            self._stop(cmd)
+
+    def _stop(self, cmd: wire.StopCommand) -> None:
         job = self.jobs.get(cmd.job_id)
         if job is None:
             self.bus.drop("cmd/stop", f"no job {cmd.job_id!r} in flight")
@@ -426,15 +725,23 @@ class Controller:
         if master.rendezvous_port is None:
             self._finish(job, "failed", reason=f"rank 0's node {job.members[0]} offered no rendezvous port")
             return
-        for d, node_id in enumerate(job.nodes):
-            place = plan.rank_assignment(d, master.profile.address or "127.0.0.1", master.rendezvous_port)
-            self._assign(
-                node_id,
-                wire.Assignment(job_id=job.id, node_id=node_id, phase="train", job=job.command.job, **dict(place)),
+        assignments = {
+            node_id: wire.Assignment(
+                job_id=job.id,
+                node_id=node_id,
+                phase="train",
+                job=job.command.job,
+                **dict(plan.rank_assignment(d, master.profile.address or "127.0.0.1", master.rendezvous_port)),
             )
+            for d, node_id in enumerate(job.nodes)
+        }
+        self._save(job, assignments)
+        for node_id, assignment in assignments.items():
+            self._assign(node_id, assignment)
         self.metrics.planned(job.id, plan.predicted_step_seconds, job.members, plan.predicted)
         log.info("job %s planned: %s", job.id, plan.split.describe() if plan.split else plan.stages)
         self._publish_status(job, state="running", step=0, split=plan.split, stages=plan.stages, nodes=job.members)
+        job.progress = {n: (0, time.monotonic()) for n in job.members}  # the watchdog's clocks start
 
     def _complete(self, job: Job) -> None:
         options, plan = job.command.job, job.plan
@@ -458,11 +765,39 @@ class Controller:
         self._finish(
             job,
             "completed",
-            report=report,
+            report=_fitting(job.status, report),
             output=f"{job.members[0]}:{options.output}",
             loss=report.losses[-1],
             step=len(report.losses),
         )
+
+    def _watch_progress(self, now: float) -> None:
+        """The watchdog (from `tick`): a running job with a node that made no progress (no new step, no
+        result) for `stall_limit` seconds fails, naming that node; `_finish` stops every worker."""
+        for job in list(self.jobs.values()):
+            if job.status.state != "running" or job.fail_at is not None or job.plan is None:
+                continue
+            limit = stall_limit(job.command.job, job.plan.predicted_step_seconds, self.o.stall_floor)
+            stalled = [
+                n
+                for n in job.members
+                # from its last step, or from the controller's (re)connect: nothing is heard while cut off
+                if n not in job.results
+                and n not in job.parts
+                and now - max(job.progress.get(n, (0, now))[1], self.connected_at) > limit
+            ]
+            if not stalled:
+                continue
+            predicted = job.plan.predicted_step_seconds
+            self._finish(
+                job,
+                "failed",
+                reason=f"no progress for over {limit:.0f} s from "
+                + ", ".join(f"node {n} (at step {job.progress[n][0]} of {job.command.job.steps})" for n in stalled)
+                + f": the watchdog's limit is max({self.o.stall_floor:g} s, {STALL_STEPS:g} x the predicted step "
+                + (f"{predicted:.3g} s" if predicted is not None else "(none)")
+                + f") + 2 x the collective timeout {job.command.job.collective_timeout:g} s",
+            )
 
     def _finish(self, job: Job, state: str, **update) -> None:
         self.jobs.pop(job.id, None)
@@ -472,6 +807,8 @@ class Controller:
         if "reason" in update:
             update["reason"] = _shorten(update["reason"])
         self._keep_finished(self._publish_status(job, state=state, **update))
+        if self.o.state_dir is not None:  # its finished status is on disk (`_publish`): no longer in flight
+            (self.o.state_dir / "running" / f"{job.id}.json").unlink(missing_ok=True)
         log.info("job %s %s%s", job.id, state, f": {update['reason']}" if "reason" in update else "")
 
     def _keep_finished(self, status: wire.JobStatus) -> None:
@@ -525,6 +862,61 @@ class Controller:
             (self.o.state_dir / "jobs" / f"{status.job_id}.json").unlink(missing_ok=True)
         for status in loaded[-self.o.keep_jobs :]:
             self.finished[status.job_id] = status
+        for path in sorted((self.o.state_dir / "running").glob("*.json")):
+            try:
+                record = RunningJob.model_validate_json(path.read_text())
+            except (OSError, ValueError) as err:
+                log.warning("removing unreadable %s: %s", path, err)
+                path.unlink(missing_ok=True)
+                continue
+            if record.command.job_id in self.finished or path.stem != record.command.job_id:
+                path.unlink(missing_ok=True)  # it finished after all (the file went a moment too late)
+                continue
+            self._restore(record)
+
+    def _save(self, job: Job, assignments: dict[str, wire.Assignment]) -> None:
+        """The job in flight and the assignments about to go out, to `--state-dir/running` first: a controller
+        restarted at any moment knows every assignment on the wire (atomically: never half a file)."""
+        if self.o.state_dir is None:
+            return
+        record = RunningJob(
+            command=job.command,
+            nodes=job.nodes,
+            status=job.status,
+            profiles=job.profiles,
+            plan=job.plan,
+            assignments={**{n: a for n, a in self.written.items() if a.job_id == job.id}, **assignments},
+        )
+        path = self.o.state_dir / "running" / f"{job.id}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, record.model_dump_json())
+
+    def _restore(self, record: RunningJob) -> None:
+        """A job an earlier controller left in flight: its nodes train on (the collectives need no controller),
+        so it is taken up where it is, never planned or assigned again: its assignments are this controller's
+        own (their retained copies are echoes, and `_connected` publishes them again, which a node that handled
+        them ignores), its nodes count as online until their retained status or their silence says otherwise,
+        and their heartbeats and results come here."""
+        job = Job(record.command, record.nodes)
+        job.profiles, job.plan = dict(record.profiles), record.plan
+        now = time.monotonic()
+        if job.plan is not None:
+            step = record.status.step or 0
+            job.status = record.status.model_copy(
+                update=dict(state="running", step=step, split=job.plan.split, stages=job.plan.stages, nodes=job.members)
+            )
+            job.progress = {n: (step, now) for n in job.members}
+            self.metrics.planned(job.id, job.plan.predicted_step_seconds, job.members, job.plan.predicted)
+        else:  # planning: the nodes' retained profiles come again, and it is planned when all are in
+            job.status = record.status.model_copy(update={"state": "planning"})
+        self.jobs[job.id] = job
+        for node_id, assignment in record.assignments.items():
+            self.written[node_id] = assignment
+            self.sent[(node_id, assignment.job_id, assignment.phase, assignment.ts)] = None
+        for node_id in job.nodes:
+            self.registry.online(node_id, now)
+        self.metrics.job(job.status, job.command.job.mode)
+        log.info("job %s taken up from --state-dir: %s at step %s", job.id, job.status.state, job.status.step)
 
 
 def run_controller(options: ControllerOptions, settings: BrokerSettings) -> int:

@@ -28,7 +28,7 @@ job's assignment) waits END_GRACE seconds, and is forgotten if the controller
 re-sends the job's assignment meanwhile. What the agent keeps is bounded: the
 inbox (the newest INBOX_SIZE messages: a retained topic's latest is what counts),
 the assignments already handled, and the job directories (the last
-KEPT_JOB_DIRS, each reduced to its worker log when the job ends).
+KEPT_JOB_DIRS, each reduced to its worker log and result when the job ends).
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ INBOX_SIZE = 64
 HANDLED_KEPT = 256
 KEPT_JOB_DIRS = 10
 """Job directories kept under WORKDIR/jobs (their worker logs, for troubleshooting); older ones go."""
-KEPT_FILES = ("worker.log",)
+KEPT_FILES = ("worker.log", "result.json")
+"""What a finished job's directory keeps: the worker's log, and its result with every per-step series
+(a long job's report in the job status holds its series thinned: `RunReport.series_every`)."""
 
 
 class _Inbox:
@@ -407,9 +409,8 @@ class NodeAgent:
         elif rc == 0 and job.rank is not None:
             self._read_progress(job)
             result = RankResult.model_validate_json(job.file("result.json").read_text())
-            self.bus.publish(
-                wire.RESULT, self.id, wire.NodeResult(job_id=job.id, node_id=self.id, ok=True, result=result)
-            )
+            for part in wire.result_parts(job.id, self.id, result):  # a long job's result goes in parts
+                self.bus.publish(wire.RESULT, self.id, part)
             log.info("job %s done", job.id)
             self._end_job()
         elif rc != 0:
@@ -469,7 +470,7 @@ def _mtime(path: Path) -> float:
 
 
 def _keep_only_logs(directory: Path) -> None:
-    """A finished job's directory: its worker log stays (README: troubleshooting), the rest goes."""
+    """A finished job's directory: its worker log (README: troubleshooting) and result stay, the rest goes."""
     if not directory.is_dir():
         return
     for path in directory.iterdir():

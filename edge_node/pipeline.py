@@ -14,6 +14,7 @@ gradients after every step (as Megatron does), so the copies never diverge.
 
 from __future__ import annotations
 
+import datetime
 import time
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,9 @@ class PipelineTrainer(Trainer):
                 param.copy_(reader.read(self.checkpoint_key(name)))
         self.owner = {name: r for r, (a, b) in enumerate(self.stages) for name in self._names(a, b, r)}
         self.tied_group = (
-            dist.new_group([0, self.world - 1]) if self.tied and self.world > 1 else None
+            dist.new_group([0, self.world - 1], timeout=datetime.timedelta(seconds=self.job.collective_timeout))
+            if self.tied and self.world > 1
+            else None
         )  # every rank must take part in creating it
         self.stage = TimedStage(stage, self.rank, self.world, torch.device("cpu"))
         self.schedule = Schedule1F1B(self.stage, n_microbatches=self.assignment.micro_batches, loss_fn=causal_lm_loss)

@@ -9,6 +9,7 @@ parallelism alone.
 
 from __future__ import annotations
 
+import datetime
 import json
 import resource
 import sys
@@ -89,6 +90,10 @@ class Trainer:
                 init_method=f"tcp://{self.assignment.master_addr}:{self.assignment.master_port}",
                 rank=self.rank,
                 world_size=self.world,
+                # gloo's default is 30 minutes: a peer frozen or unplugged would hold the others that long.
+                # Every wait of the job must fit in it: the rendezvous, the slowest rank's load before the
+                # first barrier, and rank 0 writing a save while the others wait in the next collective.
+                timeout=datetime.timedelta(seconds=self.job.collective_timeout),
             )
         rows = self.assignment.split.micro_batch_rows if self.assignment.split is not None else None
         if rows is not None and rows != self.job.batch_size // self.job.grad_accum:

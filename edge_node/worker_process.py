@@ -146,6 +146,10 @@ EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exceptio
 """A traceback's last line: the exception's (dotted) name, then its message."""
 
 
+RANK_PREFIX = re.compile(r"^\s*\[rank\d+\]:")
+PROGRESS_BAR = re.compile(r"\|\s*\d+/\d+ \[")
+
+
 def last_error(lines: list[str], limit: int = 300) -> str:
     """One line saying why a worker failed, from the last lines of its stderr.
 
@@ -153,7 +157,9 @@ def last_error(lines: list[str], limit: int = 300) -> str:
     the field and the value there; its documentation links are left out); otherwise the last
     line. The exception's module path is dropped: the name says what went wrong.
     """
-    lines = [line.strip() for line in lines if line.strip()]
+    # torch.distributed prefixes a rank's traceback with "[rankN]:"; tqdm's last bar may follow it
+    lines = [RANK_PREFIX.sub("", line).strip() for line in lines if line.strip()]
+    lines = [line for line in lines if not PROGRESS_BAR.search(line)] or lines
     found = next(((i, m) for i in reversed(range(len(lines))) if (m := EXCEPTION_LINE.match(lines[i]))), None)
     if found is None:
         return lines[-1][:limit] if lines else ""

@@ -342,7 +342,16 @@ def test_a_job_over_tls_leaks_no_password(broker, certs, tmp_path, model_dir, da
             )
         )
 
-    start("controller", "controller", "--metrics-port", str(ports["controller"]), "--state-dir", str(root / "state"))
+    start(
+        "controller",
+        "controller",
+        "--metrics-port",
+        str(ports["controller"]),
+        "--state-dir",
+        str(root / "state"),
+        "--probe-broker",  # the test's operator listener is not on the shipped port 8884
+        broker.operator_url,
+    )
     for node in ("n0", "n1"):
         start(node, "node", "--node-id", node, "--metrics-port", str(ports[node]), "--workdir", str(root / node))
     seen_ps: list[str] = []

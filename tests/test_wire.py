@@ -137,6 +137,14 @@ MESSAGES = {
     ),
     wire.TRAIN: st.builds(wire.TrainCommand, job_id=ids, job=jobs, nodes=st.none() | st.lists(ids, max_size=5)),
     wire.STOP: st.builds(wire.StopCommand, job_id=ids),
+    wire.CONTROLLER_STATUS: st.builds(
+        wire.ControllerStatus,
+        state=st.sampled_from(["online", "offline"]),
+        instance=ids,
+        started=st.floats(0, 2e9),
+        host=st.none() | st.text(max_size=40),
+        pid=st.none() | st.integers(1, 2**22),
+    ),
 }
 
 

@@ -115,6 +115,15 @@ def _message(topic: wire.Topic, ident: str):
         return st.builds(model, job_id=IDS, job=jobs, nodes=st.none() | st.lists(IDS, max_size=4))
     if model is wire.StopCommand:
         return st.builds(model, job_id=IDS)
+    if model is wire.ControllerStatus:
+        return st.builds(
+            model,
+            state=st.sampled_from(["online", "offline"]),
+            instance=IDS,
+            started=st.floats(0, 2e9),
+            host=st.none() | texts,
+            pid=st.none() | st.integers(1, 2**22),
+        )
     if model is wire.ProfileMessage:
         return st.builds(
             lambda job_id, port, **kw: model.model_validate(

@@ -162,6 +162,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="tp and xronos modes: all-reduce by gloo's ring, through a hub (the device with the "
         "cheapest exchange), or auto: time both on the job's devices first and keep the faster",
     )
+    p.add_argument(
+        "--collective-timeout",
+        type=_real(limits.MIN_COLLECTIVE_TIMEOUT, limits.MAX_COLLECTIVE_TIMEOUT, low_open=False),
+        default=limits.DEFAULT_COLLECTIVE_TIMEOUT,
+        help="seconds a device waits for its peers in one collective before failing the job (a peer frozen "
+        "or unplugged); must cover the slowest device's model load and rank 0's checkpoint writes",
+    )
 
 
 def _job_from_args(args):
@@ -184,6 +191,7 @@ def _job_from_args(args):
         micro_batches=args.micro_batches,
         replan_after=args.replan_after,
         collective=args.collective,
+        collective_timeout=args.collective_timeout,
     )
 
 
@@ -450,6 +458,8 @@ def cmd_controller(args) -> int:
         state_dir=args.state_dir,
         heartbeat_timeout=args.heartbeat_timeout,
         keep_jobs=args.keep_jobs,
+        stall_floor=args.stall_floor,
+        probe_broker=args.probe_broker,
     )
     return run_controller(options, _settings(args))
 
@@ -640,7 +650,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ctl = sub.add_parser("controller", help="the control plane: node registry, planning, assignments, jobs")
     _add_service_options(ctl)
-    ctl.add_argument("--state-dir", type=Path, help="keep finished jobs' statuses and reports here")
+    ctl.add_argument(
+        "--state-dir",
+        type=Path,
+        help="keep finished jobs' statuses and reports here, and the jobs in flight: a controller restarted "
+        "with the same directory takes them up where they are",
+    )
     ctl.add_argument(
         "--heartbeat-timeout",
         type=_real(0.1, MAX_SECONDS, low_open=False),
@@ -648,11 +663,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of silence before a node is lost",
     )
     ctl.add_argument(
+        "--stall-floor",
+        type=_real(1.0, MAX_SECONDS, low_open=False),
+        default=120.0,
+        help="the watchdog fails a running job whose node made no progress for max(this, 20 predicted steps) "
+        "+ 2 x the job's --collective-timeout seconds",
+    )
+    ctl.add_argument(
         "--keep-jobs",
         type=_whole(1, 100_000),
         default=100,
         help="finished jobs whose status (retained) and report (in --state-dir) are kept; "
         "older ones are removed, and their ids can be used again",
+    )
+    ctl.add_argument(
+        "--probe-broker",
+        metavar="URL",
+        help="where to look for another live controller before connecting (a second one refuses to start): a "
+        "listener whose client ids are not bound to usernames (default: port 8884 of the broker's host for "
+        "mqtts://, the broker itself for mqtt://)",
     )
     ctl.set_defaults(func=cmd_controller)
 

@@ -8,6 +8,12 @@ substituted (TLS listeners for devices and operators, client ids bound to
 usernames), DIR made by `deploy/mosquitto/make-certs.sh`. Passwords reach
 `mosquitto_passwd` on its standard input, never its argv. Run as root,
 Mosquitto drops to user `mosquitto`, so its files are handed to that user.
+
+The plain config takes the shipped config's queue and persistence tuning
+(TUNING) verbatim, so tests measure what ships; `persistence=True` keeps its
+database in its directory. `stop(signal)` and `start()` take the broker down
+(SIGTERM: a clean shutdown; SIGKILL: a crash) and bring it back on the same
+ports with the same database, for the fault tests.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -30,6 +37,13 @@ ACL_FILE = DEPLOY / "acl"
 CONF_FILE = DEPLOY / "mosquitto.conf"
 DEVICE_PORT, OPERATOR_PORT = 8883, 8884
 """The shipped config's listeners: nodes and controller (client id := username), operators' tools."""
+TUNING = ("max_queued_messages", "max_queued_bytes", "max_inflight_messages", "autosave_interval")
+"""Settings the plain config copies from the shipped one."""
+
+
+def shipped_tuning(conf: str) -> list[str]:
+    """The shipped config's TUNING lines, as written."""
+    return [line for line in conf.splitlines() if line.split(" ", 1)[0] in TUNING]
 
 
 def add_password(passwd: Path, user: str, password: str) -> None:
@@ -63,7 +77,13 @@ class Mosquitto:
     can traverse, unlike a root-only test directory); removed on exit.
     """
 
-    def __init__(self, users: dict[str, str] | None = None, acl: Path | None = ACL_FILE, certs: Path | None = None):
+    def __init__(
+        self,
+        users: dict[str, str] | None = None,
+        acl: Path | None = ACL_FILE,
+        certs: Path | None = None,
+        persistence: bool = False,
+    ):
         if shutil.which("mosquitto") is None:
             raise XronosError("mosquitto is not installed (apt-get install --no-install-recommends mosquitto)")
         if certs is not None and not users:
@@ -78,15 +98,17 @@ class Mosquitto:
         self.operator_url = f"{scheme}://127.0.0.1:{self.operator_port}"
         """Operators' tools, several at once (the same as `url` without the shipped config)."""
         self.proc: subprocess.Popen | None = None
+        self.persistence = persistence
+        self.conf = self.dir / "mosquitto.conf"
 
     def __enter__(self) -> Mosquitto:
         self.dir.mkdir(parents=True, exist_ok=True)
-        lines = [
-            f"listener {self.port} 127.0.0.1",
-            "persistence false",
-            "log_dest stderr",
-            "max_queued_messages 100000",
-        ]
+        lines = [f"listener {self.port} 127.0.0.1", "log_dest stderr", *shipped_tuning(CONF_FILE.read_text())]
+        if self.persistence:
+            (self.dir / "data").mkdir(exist_ok=True)
+            lines += ["persistence true", f"persistence_location {self.dir / 'data'}/"]
+        else:
+            lines.append("persistence false")
         if self.users:
             passwd = self.dir / "passwd"
             passwd.write_text("")
@@ -99,7 +121,7 @@ class Mosquitto:
                 lines.append(f"acl_file {self.dir / 'acl'}")
         else:
             lines.append("allow_anonymous true")
-        conf = self.dir / "mosquitto.conf"
+        conf = self.conf
         if self.certs is not None:  # the production config, verbatim but for paths and ports
             (self.dir / "certs").mkdir()
             (self.dir / "data").mkdir()
@@ -116,8 +138,12 @@ class Mosquitto:
                     os.chown(path, account.pw_uid, account.pw_gid)
             except KeyError:
                 pass
-        self.log = (self.dir / "mosquitto.log").open("wb")
-        self.proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = (self.dir / "mosquitto.log").open("ab")
+        return self.start()
+
+    def start(self) -> Mosquitto:
+        """Run the broker (again, after `stop`: the same ports, config and database); back once it listens."""
+        self.proc = subprocess.Popen(["mosquitto", "-c", str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -129,6 +155,13 @@ class Mosquitto:
             except OSError:
                 time.sleep(0.05)
         raise XronosError("mosquitto did not start listening within 10 s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Take the broker down with `sig` (SIGTERM: it saves its database and closes every connection;
+        SIGKILL: a crash) and wait for it to be gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:

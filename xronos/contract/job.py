@@ -31,6 +31,13 @@ MAX_EVERY = MAX_STEPS
 """Checkpoint, re-plan and micro-batch counts: no use beyond the step count's bound."""
 MAX_LR = 10.0
 """AdamW diverges long before; a bound that only stops a typo (1e4 for 1e-4) and non-finite values."""
+MIN_COLLECTIVE_TIMEOUT, MAX_COLLECTIVE_TIMEOUT = 5.0, 86_400.0
+"""Seconds: under 5 s a loaded device's scheduling hiccup would fail healthy jobs; over a day is a typo."""
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+"""Seconds (gloo's own default is 30 minutes): long enough for the slowest device to load its shard
+while the others wait at the first barrier, and for rank 0 to finish writing a checkpoint or the
+model while the others wait in the next collective (SmolLM2-135M: a few seconds on an SD card);
+short enough that a node that stops answering frees its peers within minutes."""
 MAX_SEED = 1 << 40
 """|seed|: the data order seeds torch with seed x 1,000,003 + epoch, which must stay within 64 bits."""
 
@@ -80,6 +87,17 @@ class JobOptions(BaseModel):
         description="Modes tp and xronos: how the ranks all-reduce: `ring` (gloo's), `hub` (through the rank "
         "with the cheapest measured exchange; rank 0 without profiles), or `auto` (time both at the "
         "job's activation size before the first step and keep the faster).",
+    )
+
+    collective_timeout: float = Field(
+        DEFAULT_COLLECTIVE_TIMEOUT,
+        ge=MIN_COLLECTIVE_TIMEOUT,
+        le=MAX_COLLECTIVE_TIMEOUT,
+        allow_inf_nan=False,
+        description="Seconds a rank waits in one collective (or the rendezvous) for its peers before it fails "
+        "the job: a peer that stopped answering (unplugged, frozen) frees the others after this long. It must "
+        "cover the slowest device loading its shard at the start and rank 0 writing a checkpoint or the final "
+        "model while the others wait.",
     )
 
     @model_validator(mode="after")

@@ -9,6 +9,14 @@ large, an id in the payload that is not the topic's) is logged, counted in
 `Bus.invalid` and dropped. A handler that raises is logged and counted too;
 neither ever stops the network thread. paho reconnects by itself, and every
 (re)connect re-subscribes and re-runs the caller's `on_connect` (births).
+
+A broker outage loses nothing at QoS 1: what a client publishes while it is
+disconnected waits in paho's queue (`OUT_QUEUE` messages) and goes out after
+the reconnect, and every subscription is QoS 1. A client with
+`clean_session=False` (the controller) keeps its session on the broker under a
+fixed client id: what is published to its subscriptions while it is away (a
+train command) waits in the broker's queue for it (`max_queued_messages` in
+deploy/mosquitto/mosquitto.conf) and arrives when it connects again.
 """
 
 from __future__ import annotations
@@ -159,6 +167,9 @@ def read_password(settings: BrokerSettings) -> str | None:
         raise XronosError(f"cannot read the password file {str(settings.password_file)!r}: {why}") from None
 
 
+OUT_QUEUE = 10_000
+"""Messages paho keeps for the broker (in flight, or waiting for a connection); beyond it `publish` fails."""
+
 Handler = Callable[[str, "wire._Message | None"], None]
 """Called with the topic's id (node or job, '' for commands) and the message (None: a retained message was cleared)."""
 
@@ -173,10 +184,13 @@ class Bus:
         will: tuple[wire.Topic, str, object] | None = None,
         on_connect: Callable[[], None] | None = None,
         on_invalid: Callable[[str, str], None] | None = None,
+        clean_session: bool = True,
     ):
+        """`clean_session=False`: a persistent session under `client_id` (which must then be fixed, and be
+        the only client with it): the broker queues this client's QoS 1 messages while it is away."""
         self.address = broker_address(settings)
         self.client = paho.Client(
-            paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311, clean_session=True
+            paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311, clean_session=clean_session
         )
         if self.address.username:
             self.client.username_pw_set(self.address.username, self.address.password)
@@ -186,7 +200,7 @@ class Bus:
             topic, ident, message = will
             self.client.will_set(topic.name(ident), topic.encode(message), qos=topic.qos, retain=topic.retain)
         self.client.reconnect_delay_set(min_delay=1, max_delay=5)
-        self.client.max_queued_messages_set(10_000)
+        self.client.max_queued_messages_set(OUT_QUEUE)
         self.client.on_connect = self._connected
         self.client.on_disconnect = self._disconnected
         self.client.on_message = self._received

@@ -131,6 +131,10 @@ class RunReport(BaseModel):
     stages: list[tuple[int, int]] | None = None
     losses: list[float]
     step_seconds: list[float]
+    series_every: int = 1
+    """`losses` and `step_seconds` hold every this-many-th step (and always the last one): 1 but in a job
+    whose report would not fit in one MQTT message (`thin_series`). The other fields are computed from
+    every step; the whole series stay in each node's job directory (`result.json`)."""
     measured_steps: int
     mean_step_seconds: float
     idle_ratio: float
@@ -153,6 +157,21 @@ class RunReport(BaseModel):
 WARMUP_STEPS = 2
 """Steps at the start of a job that are not timed. Measured here in every mode: the
 first step allocates (AdamW's moments too) and the second still runs ~1.5x a steady one."""
+
+
+def thin_series(report: RunReport, every: int) -> RunReport:
+    """The report with its per-step series kept at every `every`-th step and the last (the aggregates,
+    computed from every step, stay as they are)."""
+    if every <= 1:
+        return report
+
+    def thin(series: list[float]) -> list[float]:
+        kept = series[::every]
+        return kept + series[-1:] if (len(series) - 1) % every else kept
+
+    return report.model_copy(
+        update={"losses": thin(report.losses), "step_seconds": thin(report.step_seconds), "series_every": every}
+    )
 
 
 def idle_seconds(compute: list[float]) -> list[float]:

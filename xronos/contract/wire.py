@@ -25,6 +25,13 @@ ROOT = "xronos"
 MAX_PAYLOAD_BYTES = 256 * 1024
 """Larger payloads are dropped unread: no message of the contract comes near it."""
 
+RESULT_PART_BYTES = 128 * 1024
+"""A node's result over this is sent in parts of at most this: half the limit, room for the envelope."""
+MAX_RESULT_PARTS = 100_000
+"""Parts of one result: 12 GiB at most, a 10-million-step job (MAX_STEPS) with room to spare."""
+PER_STEP_FIELDS = ("losses", "step_seconds", "comm_seconds", "segment_seconds")
+"""The RankResult series that grow with the job; a result's parts split these and repeat the rest."""
+
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 Id = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 
@@ -100,13 +107,83 @@ class Assignment(RankAssignment, _Message):
 
 
 class NodeResult(_Message):
-    """What a node measured in a job (or why it failed), retained until its next job."""
+    """What a node measured in a job (or why it failed), retained until its next job.
+
+    A result grows with the job (about 115 bytes a step); one over RESULT_PART_BYTES goes as
+    `parts` messages (`result_parts`), each with a run of every per-step series, which the
+    controller joins (`join_result_parts`) before it builds the report from the whole series.
+    """
 
     job_id: Id
     node_id: Id
     ok: bool
     result: RankResult | None = None
     error: str | None = None
+    part: int = Field(0, ge=0, description="Which part of the result this message holds (from 0).")
+    parts: int = Field(
+        1, ge=1, le=MAX_RESULT_PARTS, description="How many messages the result takes (a long job's is split)."
+    )
+
+    @model_validator(mode="after")
+    def _part_in_parts(self) -> NodeResult:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} of a result in {self.parts} parts")
+        if self.parts > 1 and self.result is None:
+            raise ValueError("only a result with measurements is split into parts")
+        return self
+
+
+def result_parts(
+    job_id: str, node_id: str, result: RankResult, part_bytes: int = RESULT_PART_BYTES
+) -> list[NodeResult]:
+    """A node's result as messages of at most `part_bytes` each: one when it fits, else runs of the
+    per-step series (PER_STEP_FIELDS) in order, the other fields repeated (the re-plan checks, at
+    most a few, in the first part only)."""
+    whole = NodeResult(job_id=job_id, node_id=node_id, ok=True, result=result)
+    size = len(RESULT.encode(whole))
+    if size <= part_bytes:
+        return [whole]
+    parts = -(-size // part_bytes)
+    while parts <= MAX_RESULT_PARTS:
+        messages = [
+            NodeResult(
+                job_id=job_id,
+                node_id=node_id,
+                ok=True,
+                part=i,
+                parts=parts,
+                result=result.model_copy(
+                    update={
+                        **{f: _run_of(getattr(result, f), i, parts) for f in PER_STEP_FIELDS},
+                        "replans": result.replans if i == 0 else [],
+                    }
+                ),
+            )
+            for i in range(parts)
+        ]
+        if all(len(RESULT.encode(m)) <= part_bytes for m in messages):
+            return messages
+        parts *= 2
+    raise WireError(f"a result of {size:,} bytes does not fit in {MAX_RESULT_PARTS:,} parts of {part_bytes:,}")
+
+
+def _run_of(series: list, i: int, parts: int) -> list:
+    """The i-th of `parts` consecutive runs of `series` (the first ones one longer when it does not divide)."""
+    size, extra = divmod(len(series), parts)
+    start = i * size + min(i, extra)
+    return series[start : start + size + (i < extra)]
+
+
+def join_result_parts(parts: list[NodeResult]) -> RankResult:
+    """The result that `result_parts` split, from all its parts (in any order, each once)."""
+    ordered = sorted(parts, key=lambda m: m.part)
+    if [m.part for m in ordered] != list(range(ordered[0].parts)) or any(m.result is None for m in ordered):
+        raise WireError(f"a result's parts {[m.part for m in ordered]} are not 0..{ordered[0].parts - 1}")
+    results = [m.result for m in ordered if m.result is not None]
+    return results[0].model_copy(
+        update={f: [x for r in results for x in getattr(r, f)] for f in PER_STEP_FIELDS}
+        | {"replans": [c for r in results for c in r.replans]}
+    )
 
 
 class TrainCommand(_Message):
@@ -135,6 +212,20 @@ class JobStatus(_Message):
     @property
     def finished(self) -> bool:
         return self.state in ("completed", "failed", "stopped")
+
+
+class ControllerStatus(_Message):
+    """The live controller, retained: `online` at connect and every few seconds, `offline` as its last will.
+
+    A starting controller reads it before it connects under the controller's identity, and
+    refuses to start while another one is live (docs/control-plane.md).
+    """
+
+    state: Literal["online", "offline"]
+    instance: Id = Field(description="Random per controller process: tells two controllers apart.")
+    started: float = Field(description="When this controller started, seconds since the epoch.")
+    host: str | None = Field(None, max_length=255, description="The host name it runs on.")
+    pid: int | None = Field(None, ge=1, description="Its process id there.")
 
 
 M = TypeVar("M", bound=_Message)
@@ -193,8 +284,9 @@ RESULT = Topic("nodes/{}/result", NodeResult, qos=1, retain=True)
 JOB_STATUS = Topic("jobs/{}/status", JobStatus, qos=1, retain=True)
 TRAIN = Topic("cmd/train", TrainCommand, qos=1, retain=False)
 STOP = Topic("cmd/stop", StopCommand, qos=1, retain=False)
+CONTROLLER_STATUS = Topic("controller/status", ControllerStatus, qos=1, retain=True)
 
-TOPICS = (NODE_STATUS, HEARTBEAT, PROFILE, ASSIGNMENT, RESULT, JOB_STATUS, TRAIN, STOP)
+TOPICS = (NODE_STATUS, HEARTBEAT, PROFILE, ASSIGNMENT, RESULT, JOB_STATUS, TRAIN, STOP, CONTROLLER_STATUS)
 
 
 def json_schemas() -> dict[str, dict]:
