@@ -42,14 +42,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from controller.jobs import STALL_STEPS, Job, RunningJob, failure_reason, fitting, shorten, stall_limit
+from controller.leader import CONTROLLER_BEAT, PROBE_CONNECT_SECONDS, live_controller, probe_url, refusal
 from controller.metrics import ControllerMetrics
 from controller.registry import Registry
 from xronos.contract import wire
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
-from xronos.contract.job import JobOptions
-from xronos.contract.mqtt import SECURE_SCHEMES, BrokerSettings, Bus, check_broker_url
-from xronos.contract.report import RankResult, RunReport, thin_series
+from xronos.contract.mqtt import BrokerSettings, Bus
 from xronos.planner.job_plan import JobPlan, plan_job, planned_report
 
 log = logging.getLogger("xronos.controller")
@@ -66,32 +66,12 @@ KEPT_OFFLINE_NODES = 256
 """Offline nodes the registry keeps (xronos status shows them); a fleet is tens of devices."""
 LEFTOVER_SECONDS = 10.0
 """After (re)connecting, a retained assignment older than this controller is an earlier one's leftover."""
-MAX_REASON = 2000
-"""Characters of a failure reason kept in a job status."""
-CONTROLLER_BEAT = 2.0
-"""Seconds between the live controller's `online` statuses (retained): a starting one tells it from a stale one."""
-PROBE_SECONDS = 2 * CONTROLLER_BEAT + 1.0
-"""How long a starting controller that finds a retained `online` waits for a fresh one before calling it stale."""
-PROBE_CONNECT_SECONDS = 10.0
-"""How long a starting controller's probe waits for the broker."""
-DEVICE_PORT, OPERATOR_PORT = 8883, 8884
-"""The shipped Mosquitto's listeners: client ids bound to usernames on the first, free on the second."""
-STALL_STEPS = 20.0
-"""The watchdog fails a running job when a node made no progress for this many predicted steps (or
-`--stall-floor` seconds, if longer) plus twice the job's collective timeout (`stall_limit`)."""
 COMMAND_SETTLE = 2.0
 """Seconds after a (re)connect that commands wait for the retained births to arrive: the commands queued in
 the controller's session come first, before it knows any node. Longer (up to the heartbeat timeout) while a
 node's `offline`, which a broker that shut down publishes for everyone, waits for its birth."""
 HELD_KEPT = 100_000
 """Commands held at most while settling; beyond, they are handled at once."""
-
-PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout", "Gloo")
-
-
-def _is_peer_error(error: str) -> bool:
-    """A failure that is the echo of another node's (a collective broken by a peer that died)."""
-    return any(marker in error for marker in PEER_ERRORS)
 
 
 class ControllerOptions(BaseModel):
@@ -117,144 +97,6 @@ class ControllerOptions(BaseModel):
         description="Seconds: the least a running job's node may go without progress before the watchdog "
         "fails the job (`stall_limit`), however short its predicted step.",
     )
-
-
-def stall_limit(job: JobOptions, predicted_step_seconds: float | None, floor: float) -> float:
-    """Seconds a running job's node may go without a new step before the watchdog fails the job.
-
-    STALL_STEPS predicted steps (the prediction can be off several times over, and a device
-    slowed 20-fold is as good as stalled), never under `floor` (steps of tiny jobs take
-    milliseconds; scheduling and heartbeats take seconds), plus two collective timeouts: the
-    longest pauses between two steps that are not stalls (the slowest device's load before the
-    first step, a checkpoint or the final save, a re-shard's save and reload) must each fit in one
-    collective timeout, as its peers wait for them in a collective (`JobOptions.collective_timeout`).
-    """
-    return max(floor, STALL_STEPS * (predicted_step_seconds or 0.0)) + 2 * job.collective_timeout
-
-
-def _shorten(text: str, limit: int = MAX_REASON) -> str:
-    return text if len(text) <= limit else text[: limit - 20] + f"... ({len(text):,} chars)"
-
-
-class RunningJob(BaseModel):
-    """A job in flight as `--state-dir/running/<job>.json` keeps it (written before its assignments go out,
-    removed when it finishes): what a restarted controller needs to see it through without re-planning it."""
-
-    command: wire.TrainCommand
-    nodes: list[str]
-    status: wire.JobStatus
-    profiles: dict[str, wire.ProfileMessage] = {}
-    plan: JobPlan | None = None
-    assignments: dict[str, wire.Assignment] = {}
-
-
-def probe_url(broker: str) -> str:
-    """Where a starting controller looks for a live one: on TLS, the shipped operator listener (8884) of the
-    same host, since on 8883 the broker binds the client id to the username and any connection as
-    `controller` would take over the live controller's session; elsewhere the broker URL itself."""
-    scheme, host, _ = check_broker_url(broker)
-    return f"{scheme}://{host}:{OPERATOR_PORT}" if scheme in SECURE_SCHEMES else broker
-
-
-def live_controller(settings: BrokerSettings, url: str, wait: float) -> wire.ControllerStatus | None:
-    """The controller live on the broker, if any: asked at `url` under a client id of its own, before this
-    process connects under the controller's. Live means its retained `online` is followed by a fresh one
-    within PROBE_SECONDS (a live controller says it every CONTROLLER_BEAT): a retained `online` with nothing
-    after it is stale (its holder died where no will could be published, say while the broker was down)."""
-    seen: list[wire.ControllerStatus | None] = []
-    arrived = threading.Condition()
-
-    def on_status(_: str, msg: wire.ControllerStatus | None) -> None:
-        with arrived:
-            seen.append(msg)
-            arrived.notify_all()
-
-    probe = Bus(settings.model_copy(update={"broker": url}), client_id=f"xronos-controller-probe-{uuid.uuid4().hex}")
-    probe.subscribe(wire.CONTROLLER_STATUS, on_status)
-    probe.start(wait=wait)
-    try:
-        deadline = time.monotonic() + PROBE_SECONDS
-        with arrived:
-            arrived.wait_for(lambda: seen, timeout=1.0)  # the retained status comes right after subscribing
-            while True:
-                latest = seen[-1] if seen else None
-                if latest is None or latest.state == "offline":
-                    return None
-                if len({m.ts for m in seen if m is not None and m.state == "online"}) >= 2:
-                    return latest
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning(
-                        "a stale `online` of controller %s (pid %s on %s) is retained: taking over",
-                        latest.instance,
-                        latest.pid,
-                        latest.host,
-                    )
-                    return None
-                arrived.wait(left)
-    finally:
-        probe.stop()
-
-
-def refusal(other: wire.ControllerStatus) -> str:
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other.started))
-    return (
-        f"another controller is live on this broker (instance {other.instance}, pid {other.pid} on "
-        f"{other.host}, up since {since}): not starting a second one; stop that one first "
-        f"(a controller restarted after a crash starts once the broker has published the old one's last will)"
-    )
-
-
-class Job:
-    """A job in flight (or finished), as the controller tracks it."""
-
-    def __init__(self, command: wire.TrainCommand, nodes: list[str]):
-        self.command, self.nodes = command, nodes
-        self.status = wire.JobStatus(job_id=command.job_id, state="planning", steps=command.job.steps, nodes=nodes)
-        self.profiles: dict[str, wire.ProfileMessage] = {}
-        self.results: dict[str, RankResult] = {}
-        self.plan: JobPlan | None = None
-        self.started = time.monotonic()
-        self.planning = False
-        self.failures: dict[str, str] = {}
-        self.fail_at: float | None = None
-        self.parts: dict[str, dict[int, wire.NodeResult]] = {}
-        """The parts of a long result received so far, by node (`wire.result_parts`)."""
-        self.progress: dict[str, tuple[int, float]] = {}
-        """Per member while running: the last step it reported, and when (monotonic) it first did."""
-
-    @property
-    def id(self) -> str:
-        return self.command.job_id
-
-    @property
-    def members(self) -> list[str]:
-        """Participating nodes in rank order (all chosen nodes until planned)."""
-        return [self.nodes[d] for d in self.plan.members] if self.plan else self.nodes
-
-
-def _failure_reason(job: Job) -> str:
-    """The nodes' failures, root causes first. A member that sent none while the others' collectives
-    broke or timed out is named first: frozen, unplugged or cut off, it is what they waited for."""
-    ranked = sorted(job.failures.items(), key=lambda kv: _is_peer_error(kv[1]))
-    echoes = all(_is_peer_error(e) or "timed out" in e.lower() or "timeout" in e.lower() for e in job.failures.values())
-    silent = [n for n in job.members if n not in job.failures and n not in job.results and n not in job.parts]
-    named = [f"node {n}: {e}" for n, e in ranked]
-    if job.plan is not None and echoes and silent:
-        named.insert(0, f"node {', '.join(silent)} reported nothing while its peers' collectives failed waiting")
-    return "; ".join(named)
-
-
-def _fitting(status: wire.JobStatus, report: RunReport) -> RunReport:
-    """The report as the job's status carries it: its per-step series thinned (`thin_series`) until the
-    status fits in one message; every aggregate of it stays computed from every step."""
-    every = 1
-    while True:
-        fitted = thin_series(report, every)
-        size = len(wire.JOB_STATUS.encode(status.model_copy(update={"report": fitted})))
-        if size <= wire.MAX_PAYLOAD_BYTES - 4096 or every >= len(report.losses):
-            return fitted
-        every *= 2
 
 
 class Controller:
@@ -422,7 +264,7 @@ class Controller:
             self.metrics.forget_node(node_id)
         for job in list(self.jobs.values()):
             if job.fail_at is not None and now >= job.fail_at:
-                self._finish(job, "failed", reason=_failure_reason(job))
+                self._finish(job, "failed", reason=failure_reason(job))
             elif job.status.state == "planning" and now - job.started > self.o.profile_timeout:
                 missing = sorted(set(job.nodes) - set(job.profiles))
                 self._finish(
@@ -669,7 +511,7 @@ class Controller:
     def _reject(self, cmd: wire.TrainCommand, nodes: list[str], problems: list[str]) -> None:
         """A command that cannot run: counted, and a failed status retained for whoever waits on it,
         within the last KEPT_REJECTED (no file: a flood of junk commands must not fill the disk)."""
-        reason = _shorten("; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
+        reason = shorten("; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
         self.bus.drop("cmd/train", f"job {cmd.job_id}: {reason}")
         status = wire.JobStatus(job_id=cmd.job_id, state="failed", steps=cmd.job.steps, nodes=nodes[:16], reason=reason)
         self.bus.publish(wire.JOB_STATUS, cmd.job_id, status)
@@ -765,7 +607,7 @@ class Controller:
         self._finish(
             job,
             "completed",
-            report=_fitting(job.status, report),
+            report=fitting(job.status, report),
             output=f"{job.members[0]}:{options.output}",
             loss=report.losses[-1],
             step=len(report.losses),
@@ -805,7 +647,7 @@ class Controller:
             if node_id in self.written:
                 self._assign(node_id, None)
         if "reason" in update:
-            update["reason"] = _shorten(update["reason"])
+            update["reason"] = shorten(update["reason"])
         self._keep_finished(self._publish_status(job, state=state, **update))
         if self.o.state_dir is not None:  # its finished status is on disk (`_publish`): no longer in flight
             (self.o.state_dir / "running" / f"{job.id}.json").unlink(missing_ok=True)

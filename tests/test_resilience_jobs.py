@@ -22,7 +22,7 @@ import paho.mqtt.client as paho
 import pytest
 from live_cluster import train_by_command, wait_for, xronos_process
 
-from controller.service import STALL_STEPS, stall_limit
+from controller.jobs import STALL_STEPS, stall_limit
 from edge_node.model_io import load_config
 from edge_node.worker_process import free_port, stop_processes
 from xronos.contract import wire
