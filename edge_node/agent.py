@@ -138,6 +138,8 @@ class _Job:
         self.loss: float | None = None
         self.step_seconds: float | None = None
         self.dims: ModelDims | None = None
+        self.resume_from: Path | None = None
+        """The checkpoint `--resume` continues from, as the preflight found and verified it."""
 
     def file(self, name: str) -> Path:
         return self.dir / name
@@ -304,12 +306,12 @@ class NodeAgent:
         self._prune_job_dirs()
         self.job, self.state = job, "profiling"
         try:
-            dims, rows = job_inputs(a.job)
+            dims, rows, resume_from = job_inputs(a.job)
             save_file({"input_ids": rows}, job.file("rows.safetensors"))
         except (XronosError, OSError, ValueError) as err:  # the user's mistakes; anything else: `_guarded`
             self._fail(a.job_id, str(err))
             return
-        job.dims = dims
+        job.dims, job.resume_from = dims, resume_from
         job.port = free_port(self._address())
         self._start_worker(job, a.job, plan=True)
 
@@ -347,6 +349,7 @@ class NodeAgent:
             profile_file=str(job.file("profile.json")),
             plan_file=str(job.file("plan.json")) if plan else None,
             rows_file=str(job.file("rows.safetensors")),
+            resume_from=str(job.resume_from) if job.resume_from is not None else None,
             result_file=str(job.file("result.json")),
             progress_file=str(job.file("progress.jsonl")),
             threads=self.o.threads,

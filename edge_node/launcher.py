@@ -110,7 +110,7 @@ def run_local(
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {nodes}")
     if speeds is not None and any(s <= 0 for s in speeds):
         raise XronosError(f"speeds must be positive, got {speeds}")
-    dims, rows = job_inputs(job)  # every mistake in the model, the data or --resume, before a worker starts
+    dims, rows, resume_from = job_inputs(job)  # every mistake in the model, data or --resume, before a worker starts
     split_override = dict(split_override or {})
     layer_counts = split_override.pop("layers", None)
     if layer_counts is not None and (job.mode != "pp" or split_override):
@@ -160,6 +160,7 @@ def run_local(
                 profile_file=str(run_dir / f"profile-{device}.json") if profiled else None,
                 plan_file=str(run_dir / f"plan-{device}.json") if profiled else None,
                 rows_file=str(run_dir / "rows.safetensors"),
+                resume_from=str(resume_from) if resume_from is not None else None,
                 result_file=str(run_dir / f"result-{device}.json"),
                 threads=threads,
                 show_progress=show_progress and device == 0,

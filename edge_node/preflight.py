@@ -11,6 +11,7 @@ weights would silently replace the model the user named).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,11 +32,12 @@ def check_rows(rows: torch.Tensor, job: JobOptions) -> None:
         )
 
 
-def check_resume(job: JobOptions, dims: ModelDims) -> None:
+def check_resume(job: JobOptions, dims: ModelDims) -> Path | None:
     """`--resume` continues from the newest usable checkpoint under `output` (`checkpoint.resume_point`):
-    it must be there, beyond `--steps`' reach, and of the model named."""
+    it must be there, beyond `--steps`' reach, and of the model named. Returns it (None: no --resume), so
+    the workers start from the checkpoint checked here instead of reading every file's checksum again."""
     if not job.resume:
-        return
+        return None
     found = resume_point(Path(job.output), job)
     theirs = ModelDims.from_config(load_config(found))
     if theirs != dims:
@@ -48,6 +50,7 @@ def check_resume(job: JobOptions, dims: ModelDims) -> None:
             f"--resume: the checkpoint {found} is of another model than --model {job.model}: "
             f"{', '.join(differ)}; resume with the model it was trained from, or give a new --output"
         )
+    return found
 
 
 def check_output(job: JobOptions) -> None:
@@ -57,11 +60,19 @@ def check_output(job: JobOptions) -> None:
         raise XronosError(f"--output {job.output!r} is a file, not a directory")
 
 
-def job_inputs(job: JobOptions) -> tuple[ModelDims, torch.Tensor]:
-    """The model's sizes and the data's rows, checked against each other and against the job."""
+class JobInputs(NamedTuple):
+    dims: ModelDims
+    rows: torch.Tensor
+    resume_from: Path | None
+    """The checkpoint `--resume` continues from, verified against its manifest (None: no --resume)."""
+
+
+def job_inputs(job: JobOptions) -> JobInputs:
+    """The model's sizes, the data's rows and the checkpoint to resume from, checked against each other and
+    against the job."""
     dims = ModelDims.from_config(load_config(job.model))
-    check_resume(job, dims)
+    resume_from = check_resume(job, dims)
     rows = load_rows(job.data, job.seq_len, job.model, dims.vocab_size)
     check_rows(rows, job)
     check_output(job)
-    return dims, rows
+    return JobInputs(dims, rows, resume_from)

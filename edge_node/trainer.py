@@ -66,6 +66,9 @@ class WorkerSpec(BaseModel):
     profile_file: str | None = None
     plan_file: str | None = None
     rows_file: str
+    resume_from: str | None = Field(
+        None, description="The checkpoint to continue from (`--resume`), verified before the worker started."
+    )
     result_file: str
     threads: int = 1
     show_progress: bool = False
@@ -105,7 +108,9 @@ class Trainer:
         if self.rank == 0:  # the rank that writes: what a crashed save of an earlier run left goes
             for leftover in checkpoint.clean_leftovers(self.output):
                 print(f"xronos: removed {leftover}, left by an interrupted save", file=sys.stderr)
-        resume_from = checkpoint.resume_point(self.output, self.job) if self.job.resume else None
+        resume_from = Path(spec.resume_from) if spec.resume_from is not None else None
+        if self.job.resume and resume_from is None:
+            raise XronosError("--resume: the worker was given no checkpoint to resume from")
         source = resume_from or Path(self.job.model)
         config = load_config(source)
         self.dims = ModelDims.from_config(config)

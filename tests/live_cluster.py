@@ -27,6 +27,29 @@ def xronos_process(*args: str, user: str, password: str, url: str, log: Path) ->
     )
 
 
+def node_process(
+    node: str, root: Path, url: str, password: str, *extra: str, metrics_port: int | None = None
+) -> subprocess.Popen:
+    """`xronos node` for `node` (its MQTT username), working in `root/node`, heartbeats every second, logging
+    to `root/node.log`; `extra` flags appended (`--speed`, ...)."""
+    metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
+    return xronos_process(
+        "node",
+        "--node-id",
+        node,
+        *metrics,
+        "--workdir",
+        str(root / node),
+        "--heartbeat-seconds",
+        "1",
+        *extra,
+        user=node,
+        password=password,
+        url=url,
+        log=root / f"{node}.log",
+    )
+
+
 def train_by_command(
     url: str,
     password: str,

@@ -26,7 +26,7 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 import torch
-from live_cluster import train_by_command, wait_for, xronos_process
+from live_cluster import node_process, train_by_command, wait_for, xronos_process
 from transformers import AutoModelForCausalLM
 
 from controller.registry import Registry
@@ -88,22 +88,7 @@ def cluster(tmp_path_factory, model_dir, data_file):
             )
         ]
         for node in ("n0", "n1"):
-            procs.append(
-                xronos(
-                    "node",
-                    "--node-id",
-                    node,
-                    "--metrics-port",
-                    str(ports[node]),
-                    "--workdir",
-                    str(root / node),
-                    "--heartbeat-seconds",
-                    "1",
-                    user=node,
-                    url=broker.url,
-                    log=root / f"{node}.log",
-                )
-            )
+            procs.append(node_process(node, root, broker.url, USERS[node], metrics_port=ports[node]))
         settings = BrokerSettings(broker=broker.url, username="operator", password=USERS["operator"])
         try:
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from live_cluster import train_by_command, wait_for, xronos_process
+from live_cluster import node_process, train_by_command, wait_for, xronos_process
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -208,23 +208,7 @@ def monitored(tmp_path_factory):
         ]
         for node, speed in NODES.items():
             procs.append(
-                xronos_process(
-                    "node",
-                    "--node-id",
-                    node,
-                    "--speed",
-                    str(speed),
-                    "--metrics-port",
-                    str(ports[node]),
-                    "--workdir",
-                    str(root / node),
-                    "--heartbeat-seconds",
-                    "1",
-                    user=node,
-                    password=USERS[node],
-                    url=broker.url,
-                    log=root / f"{node}.log",
-                )
+                node_process(node, root, broker.url, USERS[node], "--speed", str(speed), metrics_port=ports[node])
             )
         scraper = Scraper(ports)
         prometheus = None

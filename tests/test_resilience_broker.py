@@ -18,7 +18,7 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from live_cluster import train_by_command, wait_for, xronos_process
+from live_cluster import node_process, train_by_command, wait_for, xronos_process
 from transformers import AutoModelForCausalLM
 
 from edge_node.launcher import run_local
@@ -74,23 +74,7 @@ def cluster(tmp_path_factory, model_dir, data_file):
         ports = {name: free_port() for name in ("controller", *NODES)}
         procs = {"controller": start_controller(root, broker, ports["controller"])}
         for node in NODES:
-            procs[node] = xronos_process(
-                "node",
-                "--node-id",
-                node,
-                "--metrics-port",
-                str(ports[node]),
-                "--workdir",
-                str(root / node),
-                "--heartbeat-seconds",
-                "1",
-                "--speed",
-                SPEED,
-                user=node,
-                password=USERS[node],
-                url=broker.url,
-                log=root / f"{node}.log",
-            )
+            procs[node] = node_process(node, root, broker.url, USERS[node], "--speed", SPEED, metrics_port=ports[node])
         try:
             wait_for(lambda: controller_sees(ports["controller"], 3), 120, "the controller to see 3 nodes", poll=0.5)
             yield dict(root=root, broker=broker, ports=ports, procs=procs, model=model_dir("gqa_tied"), data=data_file)

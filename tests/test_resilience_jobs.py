@@ -20,7 +20,7 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from live_cluster import train_by_command, wait_for, xronos_process
+from live_cluster import node_process, train_by_command, wait_for, xronos_process
 
 from controller.jobs import STALL_STEPS, stall_limit
 from edge_node.model_io import load_config
@@ -211,21 +211,7 @@ def cluster(tmp_path_factory, model_dir, data_file):
             )
         ]
         for node in ("n0", "n1"):
-            procs.append(
-                xronos_process(
-                    "node",
-                    "--node-id",
-                    node,
-                    "--workdir",
-                    str(root / node),
-                    "--heartbeat-seconds",
-                    "1",
-                    user=node,
-                    password=USERS[node],
-                    url=broker.url,
-                    log=root / f"{node}.log",
-                )
-            )
+            procs.append(node_process(node, root, broker.url, USERS[node]))
         try:
             profiled: set[str] = set()
             idle_after: set[str] = set()

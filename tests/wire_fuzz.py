@@ -26,7 +26,7 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 from hypothesis import strategies as st
-from live_cluster import wait_for, xronos_process
+from live_cluster import node_process, wait_for, xronos_process
 
 from edge_node.worker_process import free_port, stop_processes
 from xronos.contract import wire
@@ -261,21 +261,7 @@ class FuzzCluster:
             url=url,
             log=self.root / "controller.log",
         )
-        self.node = xronos_process(
-            "node",
-            "--node-id",
-            NODE,
-            "--metrics-port",
-            str(self.ports[NODE]),
-            "--workdir",
-            str(self.root / NODE),
-            "--heartbeat-seconds",
-            "1",
-            user=NODE,
-            password="-",
-            url=url,
-            log=self.root / f"{NODE}.log",
-        )
+        self.node = node_process(NODE, self.root, url, "-", metrics_port=self.ports[NODE])
         self.procs = [self.controller, self.node]
         self.started = time.monotonic()
         wait_for(self._node_online, 90, "the controller to see the node", poll=0.5)
