@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -330,8 +331,22 @@ def test_under_the_even_split_the_fast_device_idles_more_than_the_slow_one(monit
     assert stall and all(dict(key[1])["job_id"] == monitored["jobs"]["pp"] for key in stall), stall
 
 
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (`xronos run --metrics-port P` serves device d on P + d): a port that
+    free_port alone picks can have its neighbour taken by another test's process."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
 def test_xronos_run_serves_each_devices_metrics_while_it_runs(model_dir, data_file, tmp_path):
-    port = free_port()
+    port = _free_port_pair()
     cmd = [
         sys.executable,
         "-m",
