@@ -53,6 +53,7 @@ class RunningJob(BaseModel):
     profiles: dict[str, wire.ProfileMessage] = {}
     plan: JobPlan | None = None
     assignments: dict[str, wire.Assignment] = {}
+    attempt: float | None = None
 
 
 class Job:
@@ -72,6 +73,19 @@ class Job:
         """The parts of a long result received so far, by node (`wire.result_parts`)."""
         self.progress: dict[str, tuple[int, float]] = {}
         """Per member while running: the last step it reported, and when (monotonic) it first did."""
+        self.checkpoints: dict[str, int] = {}
+        """Per member: the newest checkpoint step it holds, as its heartbeats say (`Heartbeat.checkpoint`)."""
+        self.attempt: float | None = None
+        """The `ts` of this attempt's profile assignments: results of an attempt before a recovery are echoes."""
+
+    def restart(self, command: wire.TrainCommand, nodes: list[str], attempt: float) -> None:
+        """Back to planning on `nodes` for the next attempt (a recovery): what the last one gathered is dropped."""
+        self.command, self.nodes, self.attempt = command, nodes, attempt
+        self.profiles, self.results, self.parts, self.failures = {}, {}, {}, {}
+        self.plan, self.planning, self.fail_at = None, False, None
+        self.progress = {}
+        self.checkpoints = {n: step for n, step in self.checkpoints.items() if n in nodes}  # still on their disks
+        self.started = time.monotonic()
 
     @property
     def id(self) -> str:
@@ -93,6 +107,29 @@ def failure_reason(job: Job) -> str:
     if job.plan is not None and echoes and silent:
         named.insert(0, f"node {', '.join(silent)} reported nothing while its peers' collectives failed waiting")
     return "; ".join(named)
+
+
+def lost_members(job: Job, alive) -> list[str]:
+    """The members a failed attempt lost: gone from the broker (`alive` says no: a will, silence), or whose
+    worker was killed by a signal (the kernel's OOM killer, a user's kill); the job can go on without them.
+    None lost: the failure is the job's own (a worker's error), which another attempt would repeat."""
+    return [
+        n
+        for n in job.members
+        if not alive(n)
+        or (n in job.failures and "was killed by" in job.failures[n] and not is_peer_error(job.failures[n]))
+    ]
+
+
+def resume_point(job: Job, survivors: list[str]) -> tuple[list[str], int]:
+    """Who goes on and from which checkpoint step (0: from the start). Every rank keeps the whole checkpoint
+    (docs/control-plane.md), so any survivor that holds one can resume; they go on from the newest step all of
+    them hold (a node lost mid-save may leave the newest sealed on some only; each keeps the one before too).
+    Survivors without a checkpoint while others have one are left out (nothing to load): the next job uses them."""
+    held = [n for n in survivors if job.checkpoints.get(n)]
+    if not held:
+        return survivors, 0
+    return held, min(job.checkpoints[n] for n in held)
 
 
 def fitting(status: wire.JobStatus, report: RunReport) -> RunReport:

@@ -40,6 +40,9 @@ class ControllerMetrics(MetricsEndpoint):
         )
         self.jobs = Gauge("xronos_jobs", "Jobs by state.", ["state"], registry=r)
         self.finished = Counter("xronos_jobs_finished", "Jobs that ended, by final state.", ["state"], registry=r)
+        self.recoveries = Counter(
+            "xronos_job_recoveries", "Times a job lost nodes and went on without them.", registry=r
+        )
         self.job_state = Gauge(
             "xronos_job_state", "1 for a job's current state, 0 for the others.", ["job_id", "state"], registry=r
         )
@@ -143,6 +146,10 @@ class ControllerMetrics(MetricsEndpoint):
             known += [n for n in nodes if n not in known]
             for node_id, seconds in zip(nodes, predicted):
                 self.predicted_compute.labels(job_id, node_id).set(seconds)
+
+    def recovered(self, job_id: str) -> None:
+        """A job re-planned on its survivors (a bounded counter: the job's status says which and when)."""
+        self.recoveries.inc()
 
     def completed(self, job_id: str, mean_step_seconds: float, idle_ratio: float) -> None:
         self.measured.labels(job_id).set(mean_step_seconds)

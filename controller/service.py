@@ -42,7 +42,17 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from controller.jobs import STALL_STEPS, Job, RunningJob, failure_reason, fitting, shorten, stall_limit
+from controller.jobs import (
+    STALL_STEPS,
+    Job,
+    RunningJob,
+    failure_reason,
+    fitting,
+    lost_members,
+    resume_point,
+    shorten,
+    stall_limit,
+)
 from controller.leader import CONTROLLER_BEAT, PROBE_CONNECT_SECONDS, live_controller, probe_url, refusal
 from controller.metrics import ControllerMetrics
 from controller.registry import Registry
@@ -50,6 +60,7 @@ from xronos.contract import wire
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
 from xronos.contract.mqtt import BrokerSettings, Bus
+from xronos.planner.checkpoint_plan import checkpoint_interval
 from xronos.planner.job_plan import JobPlan, plan_job, planned_report
 
 log = logging.getLogger("xronos.controller")
@@ -264,7 +275,10 @@ class Controller:
             self.metrics.forget_node(node_id)
         for job in list(self.jobs.values()):
             if job.fail_at is not None and now >= job.fail_at:
-                self._finish(job, "failed", reason=failure_reason(job))
+                lost = lost_members(job, self._alive) if job.plan is not None else []
+                why = "; ".join(f"node {n}: {job.failures[n]}" for n in lost if n in job.failures)
+                if not (lost and self._recover(job, lost, why or f"node {', '.join(lost)} went offline")):
+                    self._finish(job, "failed", reason=failure_reason(job))
             elif job.status.state == "planning" and now - job.started > self.o.profile_timeout:
                 missing = sorted(set(job.nodes) - set(job.profiles))
                 self._finish(
@@ -316,6 +330,8 @@ class Controller:
                 self._publish_status(job, step_seconds=msg.step_seconds, step=msg.step, loss=msg.loss)
             if 0 <= msg.step <= job.command.job.steps and msg.step > job.progress.get(node_id, (-1, 0.0))[0]:
                 job.progress[node_id] = (msg.step, time.monotonic())
+        if job is not None and node_id in job.nodes and msg.checkpoint is not None:
+            job.checkpoints[node_id] = msg.checkpoint
         lag = time.time() - msg.ts
         self.lags.append(lag)
         self.metrics.heartbeat_lag.observe(max(0.0, lag))
@@ -333,6 +349,8 @@ class Controller:
         job = self.jobs.get(msg.job_id)
         if job is None or job.status.state != "planning" or node_id not in job.nodes:
             return  # a retained profile of an earlier job
+        if msg.attempt is not None and job.attempt is not None and msg.attempt != job.attempt:
+            return  # of the attempt before a recovery: its rendezvous port is another worker's
         if msg.dims is None or msg.rendezvous_port is None:
             self.bus.drop("nodes/+/profile", f"profile for job {msg.job_id} from {node_id} lacks dims or port")
             return
@@ -347,6 +365,8 @@ class Controller:
         job = self.jobs.get(msg.job_id)
         if job is None or node_id not in job.nodes:
             return  # a retained result of an earlier job
+        if msg.attempt is not None and job.attempt is not None and msg.attempt != job.attempt:
+            return  # of the attempt before a recovery: its workers were stopped
         if not msg.ok:
             # one worker's death makes its peers fail too (their collectives break): gather
             # what arrives within FAILURE_GRACE and report the root cause first
@@ -418,8 +438,57 @@ class Controller:
 
     def _node_lost(self, node_id: str, reason: str) -> None:
         for job in list(self.jobs.values()):
+            if node_id in job.members and (job.plan is not None or job.status.recoveries):
+                if job.fail_at is not None:
+                    continue  # its members' failures are in: their grace ends in `tick`, which recovers or fails
+                if self._recover(job, [node_id], f"node {node_id} {reason}"):
+                    continue
             if node_id in job.members or (job.status.state == "planning" and node_id in job.nodes):
                 self._finish(job, "failed", reason=f"node {node_id} {reason}")
+
+    def _alive(self, node_id: str) -> bool:
+        node = self.registry.nodes.get(node_id)
+        return node is not None and node.online and not node.said_offline
+
+    def _recover(self, job: Job, lost: list[str], reason: str) -> bool:
+        """A running job that lost nodes goes on without them (issue 30): the survivors' workers are stopped,
+        they profile again (a fresh rendezvous port, and their speeds as they are now), the same planner
+        plans them (`_plan`), and they resume from the newest checkpoint they all hold (`resume_point`), so
+        at most one checkpoint interval of work is lost. False (the caller fails the job): mode single, no
+        survivor, or MAX_RECOVERIES already."""
+        options = job.command.job
+        survivors = [n for n in job.members if n not in lost and self._alive(n)]
+        if options.mode == "single" or not survivors or len(job.status.recoveries) >= wire.MAX_RECOVERIES:
+            return False
+        survivors, step = resume_point(job, survivors)
+        at_step = max([job.status.step or 0, *(s for s, _ in job.progress.values())])
+        resumed = options.model_copy(update={"resume": step > 0, "resume_step": step or None})
+        recovery = wire.Recovery(
+            lost=sorted(lost), reason=shorten(reason), at_step=at_step, resumed_from=step, nodes=survivors
+        )
+        for node_id in job.nodes:  # lost ones (and any the last plan left out) let go of the job
+            if node_id not in survivors and node_id in self.written:
+                self._assign(node_id, None)
+        attempt = time.time()
+        job.restart(job.command.model_copy(update={"job": resumed}), survivors, attempt)
+        assignments = {
+            n: wire.Assignment(job_id=job.id, node_id=n, phase="profile", job=resumed, ts=attempt) for n in survivors
+        }
+        self._publish_status(
+            job,
+            state="planning",
+            nodes=survivors,
+            split=None,
+            stages=None,
+            step=step,
+            recoveries=[*job.status.recoveries, recovery],
+        )
+        self._save(job, assignments)
+        for node_id, assignment in assignments.items():
+            self._assign(node_id, assignment)  # a node stops the attempt's worker and profiles anew
+        self.metrics.recovered(job.id)
+        log.warning("job %s: %s (%s)", job.id, recovery.describe(), reason)
+        return True
 
     # -- commands ----------------------------------------------------------------------
     def _settling(self, now: float) -> bool:
@@ -502,7 +571,10 @@ class Controller:
         job = Job(cmd, nodes)
         self.jobs[cmd.job_id] = job
         log.info("job %s: %s on %s", cmd.job_id, cmd.job.mode, ", ".join(nodes))
-        assignments = {n: wire.Assignment(job_id=job.id, node_id=n, phase="profile", job=cmd.job) for n in nodes}
+        job.attempt = time.time()
+        assignments = {
+            n: wire.Assignment(job_id=job.id, node_id=n, phase="profile", job=cmd.job, ts=job.attempt) for n in nodes
+        }
         self._save(job, assignments)
         self._publish_status(job)
         for node_id, assignment in assignments.items():
@@ -567,6 +639,13 @@ class Controller:
         if master.rendezvous_port is None:
             self._finish(job, "failed", reason=f"rank 0's node {job.members[0]} offered no rendezvous port")
             return
+        dims = master.dims
+        if job.command.job.checkpoint_every is None and dims is not None:  # auto: a small share of the time
+            every = checkpoint_interval(job.command.job, dims, plan, [job.profiles[n].profile for n in job.members])
+            job.command = job.command.model_copy(
+                update={"job": job.command.job.model_copy(update={"checkpoint_every": every})}
+            )
+            log.info("job %s checkpoints every %d steps", job.id, every)
         assignments = {
             node_id: wire.Assignment(
                 job_id=job.id,
@@ -728,6 +807,7 @@ class Controller:
             profiles=job.profiles,
             plan=job.plan,
             assignments={**{n: a for n, a in self.written.items() if a.job_id == job.id}, **assignments},
+            attempt=job.attempt,
         )
         path = self.o.state_dir / "running" / f"{job.id}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -740,7 +820,7 @@ class Controller:
         them ignores), its nodes count as online until their retained status or their silence says otherwise,
         and their heartbeats and results come here."""
         job = Job(record.command, record.nodes)
-        job.profiles, job.plan = dict(record.profiles), record.plan
+        job.profiles, job.plan, job.attempt = dict(record.profiles), record.plan, record.attempt
         now = time.monotonic()
         if job.plan is not None:
             step = record.status.step or 0

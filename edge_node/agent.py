@@ -14,7 +14,9 @@ config and tokenizes its data before the worker starts. Lifecycle of a job here:
    group and trains; every step it writes a progress line, which becomes a
    heartbeat and metrics here;
 3. the worker ends: the node publishes its result (retained) and is idle again.
-   A cleared assignment, or one for another job, stops a running worker.
+   A cleared assignment, or one for another job, stops a running worker; so
+   does a new `profile` assignment for the same job: the controller restarting
+   it (on the survivors of a lost node, from a checkpoint every node holds).
 
 At start the node also profiles itself at a small reference shape, so the
 registry shows each device's speed before any job. Bad assignments are logged,
@@ -23,8 +25,8 @@ fails anyway is logged, counted and fails the job it was for, with the reason.
 
 On a broker without ACLs anyone can clear or overwrite a node's retained
 assignment. The controller counts such a forgery and puts its own assignment
-back at once; so a message that would end the job in flight (a clear, or another
-job's assignment) waits END_GRACE seconds, and is forgotten if the controller
+back at once; so a message that would end the job in flight (a clear, another
+job's assignment, or the job's restart) waits END_GRACE seconds, and is forgotten if the controller
 re-sends the job's assignment meanwhile. What the agent keeps is bounded: the
 inbox (the newest INBOX_SIZE messages: a retained topic's latest is what counts),
 the assignments already handled, and the job directories (the last
@@ -139,6 +141,9 @@ class _Job:
         self.step_seconds: float | None = None
         self.dims: ModelDims | None = None
         self.resume_from: Path | None = None
+        self.started = time.time()
+        self.attempt: float | None = None
+        """The `ts` of the profile assignment this part began with (results and profiles say it back)."""
         """The checkpoint `--resume` continues from, as the preflight found and verified it."""
 
     def file(self, name: str) -> Path:
@@ -179,6 +184,9 @@ class NodeAgent:
 
     def _heartbeat(self) -> None:
         job = self.job if self.job is not None and self.job.id != "startup" else None
+        checkpoint = None
+        if job is not None:  # a job's preflight has imported it (and torch) already: the idle agent stays light
+            checkpoint = _checkpoint_held(job)
         self.bus.publish(
             wire.HEARTBEAT,
             self.id,
@@ -189,6 +197,7 @@ class NodeAgent:
                 step=job.step if job else None,
                 loss=job.loss if job else None,
                 step_seconds=job.step_seconds if job else None,
+                checkpoint=checkpoint,
             ),
         )
 
@@ -264,13 +273,17 @@ class NodeAgent:
         job = self.job
         if job is None or job.id == "startup":
             self._handle(a)
-        elif a is not None and a.job_id == job.id:  # the controller's word on the job in flight
+        elif a is not None and a.job_id == job.id and not self._restarts(a):  # the controller's word on it
             if self.pending is not None:
                 log.warning("job %s's assignment came again: ignoring the message that would have ended it", job.id)
                 self.pending = None
             self._handle(a)
-        else:  # a clear, or another job: takes effect after the grace unless the controller reverts it
+        else:  # a clear, another job, a restart: takes effect after the grace unless the controller reverts it
             self.pending = (a, self.pending[1] if self.pending else time.monotonic() + END_GRACE)
+
+    def _restarts(self, a: wire.Assignment) -> bool:
+        """A `profile` assignment not handled yet for the job in flight: the job starts over."""
+        return a.phase == "profile" and (a.job_id, a.phase, a.ts) not in self.handled
 
     def _handle(self, a: wire.Assignment | None) -> None:
         if a is None:  # the controller cleared the assignment: the job is over for this node
@@ -286,6 +299,9 @@ class NodeAgent:
             self.handled.popitem(last=False)
         if self.job is not None and self.job.id != a.job_id:
             log.info("new job %s replaces %s", a.job_id, self.job.id)
+            self._end_job()
+        elif self.job is not None and a.phase == "profile":  # its worker must not train on beside the new one
+            log.info("job %s restarts; stopping its worker", a.job_id)
             self._end_job()
         if a.phase == "profile":
             self._profile_for(a)
@@ -311,7 +327,7 @@ class NodeAgent:
         except (XronosError, OSError, ValueError) as err:  # the user's mistakes; anything else: `_guarded`
             self._fail(a.job_id, str(err))
             return
-        job.dims, job.resume_from = dims, resume_from
+        job.dims, job.resume_from, job.attempt = dims, resume_from, a.ts
         job.port = free_port(self._address())
         self._start_worker(job, a.job, plan=True)
 
@@ -353,6 +369,7 @@ class NodeAgent:
             result_file=str(job.file("result.json")),
             progress_file=str(job.file("progress.jsonl")),
             threads=self.o.threads,
+            replicate_checkpoints=True,  # every node keeps the whole checkpoint: it must outlive any one node
         )
         job.worker, job.quota = start_worker(
             spec,
@@ -399,6 +416,7 @@ class NodeAgent:
                     job_id=None if startup else job.id,
                     dims=None if startup else job.dims,
                     rendezvous_port=None if startup else job.port,
+                    attempt=None if startup else job.attempt,
                 ),
             )
         self._read_progress(job)
@@ -412,7 +430,8 @@ class NodeAgent:
         elif rc == 0 and job.rank is not None:
             self._read_progress(job)
             result = RankResult.model_validate_json(job.file("result.json").read_text())
-            for part in wire.result_parts(job.id, self.id, result):  # a long job's result goes in parts
+            # a long job's result goes in parts
+            for part in wire.result_parts(job.id, self.id, result, attempt=job.attempt):
                 self.bus.publish(wire.RESULT, self.id, part)
             log.info("job %s done", job.id)
             self._end_job()
@@ -427,8 +446,11 @@ class NodeAgent:
 
     def _fail(self, job_id: str, why: str) -> None:
         log.warning("job %s failed here: %s", job_id, why)
+        attempt = self.job.attempt if self.job is not None and self.job.id == job_id else None
         self.bus.publish(
-            wire.RESULT, self.id, wire.NodeResult(job_id=job_id, node_id=self.id, ok=False, error=why[:2000])
+            wire.RESULT,
+            self.id,
+            wire.NodeResult(job_id=job_id, node_id=self.id, ok=False, error=why[:2000], attempt=attempt),
         )
         self._end_job()
 
@@ -463,6 +485,21 @@ class NodeAgent:
                 _keep_only_logs(directory)
         self._prune_job_dirs()
         remove_stale_cgroups(f"xronos-node-{self.id}-", min_age=0.0)  # its workers died with that agent
+
+
+def _checkpoint_held(job: _Job) -> int | None:
+    """The newest checkpoint this node holds for `job`, for its heartbeat: one sealed since the job began
+    here, or the one it resumed from (an older one under the same output is another job's, or an earlier
+    attempt's that the survivors did not all reach)."""
+    from edge_node.checkpoint import sealed_steps, step_of
+
+    try:
+        steps = sealed_steps(Path(job.job.output), since=job.started)
+    except OSError:
+        return None
+    if job.resume_from is not None:
+        steps.append(step_of(job.resume_from))
+    return max(steps, default=None)
 
 
 def _mtime(path: Path) -> float:

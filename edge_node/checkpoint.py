@@ -17,10 +17,20 @@ checkpoint whose files do not match it (truncated, corrupt, or a torn
 `trainer_state.json`) is rejected with the reason, and the older one kept
 beside it (KEEP_CHECKPOINTS) is used. Leftovers of a crashed save (`.tmp-*`,
 `.old-*`) are removed when the next job starts.
+
+Without `replicate` rank 0 alone writes (`xronos run`: the ranks share one
+host and one output). With it (jobs over MQTT, one device per rank) every rank
+keeps the whole checkpoint in its own output, so that one survives the loss
+of any node: rank 0 assembles each sliced tensor and broadcasts it, and every
+rank writes the same bytes. Ranks may still share a directory (agents on one
+host, a shared mount): publishing and pruning run under a lock there, and a
+rank that finds the identical checkpoint already in place drops its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -35,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from edge_node.optimizer import ADAM_MOMENTS
+from edge_node.tp.comm import broadcast_bytes
 from edge_node.tp.plan import Slice
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
@@ -56,6 +67,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
+LOCK = ".lock"
+"""In `checkpoints/`: held while a checkpoint is published or old ones pruned (ranks may share the directory)."""
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".final")
 """Directories only a crashed save leaves behind: temporary, replaced, and the final model's staging."""
 
@@ -152,6 +165,29 @@ def clean_leftovers(output: Path) -> list[Path]:
     return removed
 
 
+def _gather_one(
+    name: str, shape: torch.Size, local: Mapping[str, torch.Tensor], slice_of: SliceOf, rank: int, world: int
+) -> torch.Tensor | None:
+    """A sliced parameter's full tensor on rank 0 (None elsewhere: the others send their slices)."""
+    if rank != 0:
+        if sharded_slice(slice_of, name, rank).size:
+            dist.send(local[name].detach().contiguous(), dst=0)
+        return None
+    full = torch.empty(shape, dtype=torch.float32)
+    for src in range(world):
+        p = sharded_slice(slice_of, name, src)
+        if not p.size:
+            continue
+        target = full.narrow(p.dim, p.start, p.size)
+        if src == 0:
+            target.copy_(local[name].detach())
+        else:
+            buf = torch.empty(target.shape, dtype=torch.float32)
+            dist.recv(buf, src=src)
+            target.copy_(buf)
+    return full
+
+
 def gather_full(
     local: Mapping[str, torch.Tensor], shapes: dict[str, torch.Size], slice_of: SliceOf, rank: int, world: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -160,27 +196,45 @@ def gather_full(
     All ranks must iterate to the end: each parameter is a round of point-to-point messages.
     """
     for name, shape in shapes.items():
-        part = slice_of(name, 0)
-        if part is None:  # replicated: rank 0's copy is the whole tensor
+        if slice_of(name, 0) is None:  # replicated: rank 0's copy is the whole tensor
             if rank == 0:
                 yield name, local[name].detach()
             continue
-        if rank != 0:
-            if sharded_slice(slice_of, name, rank).size:
-                dist.send(local[name].detach().contiguous(), dst=0)
+        full = _gather_one(name, shape, local, slice_of, rank, world)
+        if full is not None:
+            yield name, full
+
+
+def _whole_on(name: str, shape: torch.Size, slice_of: SliceOf, world: int) -> int | None:
+    """The rank holding all of a sliced parameter, if one does (a stage's layers, a lopsided split)."""
+    for src in range(world):
+        p = sharded_slice(slice_of, name, src)
+        if p.start == 0 and p.size == shape[p.dim]:
+            return src
+    return None
+
+
+def replicate_full(
+    local: Mapping[str, torch.Tensor], shapes: dict[str, torch.Size], slice_of: SliceOf, rank: int, world: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) on every rank, each the same bits: rank 0 assembles a sliced tensor
+    (as `gather_full` does) and broadcasts it; one a rank holds whole comes straight from it.
+
+    Replicated tensors (norms, row-parallel biases: small) are broadcast from rank 0 as well, so
+    the checkpoints of all ranks are identical whatever round-off their copies took. All ranks
+    must iterate to the end, in the same order: each parameter is a round of collectives.
+    """
+    for name, shape in shapes.items():
+        if world == 1:
+            yield name, local[name].detach()
             continue
-        full = torch.empty(shape, dtype=torch.float32)
-        for src in range(world):
-            p = sharded_slice(slice_of, name, src)
-            if not p.size:
-                continue
-            target = full.narrow(p.dim, p.start, p.size)
-            if src == 0:
-                target.copy_(local[name].detach())
-            else:
-                buf = torch.empty(target.shape, dtype=torch.float32)
-                dist.recv(buf, src=src)
-                target.copy_(buf)
+        whole = 0 if slice_of(name, 0) is None else _whole_on(name, shape, slice_of, world)
+        if whole is None:  # in slices: rank 0 assembles it
+            held, src = _gather_one(name, shape, local, slice_of, rank, world), 0
+        else:
+            held, src = (local[name].detach().contiguous() if rank == whole else None), whole
+        full = held if held is not None else torch.empty(shape, dtype=torch.float32)
+        dist.broadcast(full, src=src)
         yield name, full
 
 
@@ -267,6 +321,38 @@ def publish_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def checkpoints_locked(output: Path) -> Iterator[None]:
+    """Hold `output/checkpoints/.lock`: ranks writing the same directory publish and prune one at a time.
+    The kernel drops the lock of a process that dies, so a crashed rank never holds the others up."""
+    root = output / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _manifest_bytes(directory: Path) -> bytes | None:
+    try:
+        return (directory / MANIFEST).read_bytes()
+    except OSError:
+        return None
+
+
+def publish_shared(tmp: Path, final: Path) -> None:
+    """`publish_dir` for writers that may share `final` (replicated checkpoints, ranks on one host):
+    under the lock, a checkpoint already in place with our manifest (the same bytes, by their digests)
+    stays and ours is dropped; any other is replaced. Idempotent, and safe for concurrent writers."""
+    with checkpoints_locked(final.parent.parent):
+        if final.is_dir() and _manifest_bytes(final) == _manifest_bytes(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        publish_dir(tmp, final)
+
+
 def promote_files(finished: Path, target: Path) -> None:
     """Move a finished model's files into `target` (one atomic rename each), dropping stale weights."""
     new = {path.name for path in finished.iterdir()}
@@ -279,8 +365,8 @@ def promote_files(finished: Path, target: Path) -> None:
     fsync_dir(target)
 
 
-def _temp_dir(final: Path) -> Path:
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+def _temp_dir(final: Path, rank: int = 0) -> Path:
+    tmp = final.with_name(f".tmp-{final.name}-{rank}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -305,11 +391,14 @@ def save(
     world: int,
     optimizer: torch.optim.Optimizer | None = None,
     trainer_state: dict | None = None,
+    replicate: bool = False,
 ) -> None:
-    """Collective: write the model (and optimizer moments) of all ranks to `final` on rank 0."""
+    """Collective: write the model (and optimizer moments) of all ranks to `final`: on rank 0, or with
+    `replicate` on every rank, each the same bytes (rank 0's trainer state; see the module's docstring)."""
     params = dict(model.named_parameters())
-    tmp = _temp_dir(final) if rank == 0 else None
+    tmp = _temp_dir(final, rank) if rank == 0 or replicate else None
     digests: dict[str, dict] = {}
+    full = replicate_full if replicate else gather_full
 
     def write(stem: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         if tmp is None:
@@ -317,16 +406,22 @@ def save(
         else:
             digests.update(write_safetensors(tmp, stem, shapes, tensors))
 
-    write("model", gather_full(params, shapes, slice_of, rank, world))
+    write("model", full(params, shapes, slice_of, rank, world))
     if optimizer is not None:
         for key in ADAM_MOMENTS:
-            write(key, gather_full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
-    if tmp is not None:  # rank 0
+            write(key, full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
+    state = json.dumps(trainer_state) if trainer_state is not None else None
+    if replicate and world > 1 and state is not None:  # its times differ by rank: rank 0's, everywhere
+        state = broadcast_bytes(state.encode() if rank == 0 else None).decode()
+    if tmp is not None:
         copy_model_files(source_model, tmp)
-        if trainer_state is not None:
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        if state is not None:
+            (tmp / TRAINER_STATE).write_text(state)
         seal(tmp, digests)
-        publish_dir(tmp, final)
+        if replicate:
+            publish_shared(tmp, final)
+        else:
+            publish_dir(tmp, final)
 
 
 def checkpoint_dir(output: Path, step: int) -> Path:
@@ -347,10 +442,58 @@ def latest_checkpoint(output: Path) -> tuple[Path | None, list[str]]:
     return None, rejected
 
 
+def sealed_steps(output: Path, since: float | None = None) -> list[int]:
+    """The steps of the checkpoints under `output` that hold a manifest (written at or after `since`, a
+    time.time(), if given), oldest first: a listing, no file read (what a heartbeat says; `verify` is
+    what resuming trusts). A published checkpoint always has one: it is written before the rename."""
+    root = output / CHECKPOINTS
+    steps = []
+    for directory in root.glob("step-*") if root.is_dir() else []:
+        number = directory.name.removeprefix("step-")
+        manifest = directory / MANIFEST
+        if number.isdigit() and manifest.is_file() and (since is None or manifest.stat().st_mtime >= since):
+            steps.append(int(number))
+    return sorted(steps)
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step of a checkpoint directory (`checkpoint_dir`'s name)."""
+    return int(checkpoint.name.removeprefix("step-"))
+
+
+def newest_sealed_step(output: Path) -> int | None:
+    """The newest of `sealed_steps` (None: no checkpoint), or None when `output` cannot be listed."""
+    try:
+        steps = sealed_steps(output)
+    except OSError:
+        return None
+    return steps[-1] if steps else None
+
+
+def _chosen_checkpoint(output: Path, step: int) -> Path:
+    """`resume_step`'s checkpoint, verified, or a one-line XronosError naming it."""
+    found = checkpoint_dir(output, step)
+    if not found.is_dir():
+        raise XronosError(f"--resume: resume_step {step} has no checkpoint here ({found} is missing)")
+    try:
+        verify(found)
+    except CheckpointError as err:
+        raise XronosError(f"--resume: resume_step {step}'s checkpoint cannot be used: {err}") from None
+    return found
+
+
 def resume_point(output: Path, job: JobOptions) -> Path:
     """The checkpoint `--resume` continues from, or a one-line XronosError: none usable (with why the
-    newer ones were passed over), one of another `--model`, or `--steps` not beyond it."""
-    found, rejected = latest_checkpoint(output)
+    newer ones were passed over), one of another `--model`, or `--steps` not beyond it.
+
+    With `job.resume_step` it is that step's checkpoint or an error: the controller names the step when
+    it resumes a job on the survivors of a lost node, so every rank starts from the same one (a node
+    lost mid-save can leave the newest checkpoint sealed on some ranks only)."""
+    rejected: list[str] = []
+    if job.resume_step is not None:
+        found: Path | None = _chosen_checkpoint(output, job.resume_step)
+    else:
+        found, rejected = latest_checkpoint(output)
     passed_over = f" (passed over: {'; '.join(rejected)})" if rejected else ""
     if found is None:
         raise XronosError(f"--resume: no usable checkpoint under {output / CHECKPOINTS}{passed_over}")
@@ -370,7 +513,10 @@ def resume_point(output: Path, job: JobOptions) -> Path:
 
 
 def prune_checkpoints(output: Path, keep: int) -> None:
-    """Remove all but the newest `keep` checkpoints."""
+    """Remove all but the newest `keep` checkpoints, under the lock (ranks may share `output`)."""
     root = output / CHECKPOINTS
-    for old in sorted(root.glob("step-*"))[:-keep] if root.is_dir() else []:
-        shutil.rmtree(old, ignore_errors=True)
+    if not root.is_dir():
+        return
+    with checkpoints_locked(output):
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)

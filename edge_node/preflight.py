@@ -33,9 +33,10 @@ def check_rows(rows: torch.Tensor, job: JobOptions) -> None:
 
 
 def check_resume(job: JobOptions, dims: ModelDims) -> Path | None:
-    """`--resume` continues from the newest usable checkpoint under `output` (`checkpoint.resume_point`):
-    it must be there, beyond `--steps`' reach, and of the model named. Returns it (None: no --resume), so
-    the workers start from the checkpoint checked here instead of reading every file's checksum again."""
+    """`--resume` continues from the newest usable checkpoint under `output`, or from `resume_step`'s when
+    the job names one (`checkpoint.resume_point`): it must be there, beyond `--steps`' reach, and of the
+    model named. Returns it (None: no --resume), so the workers start from the checkpoint checked here
+    instead of reading every file's checksum again."""
     if not job.resume:
         return None
     found = resume_point(Path(job.output), job)

@@ -35,16 +35,32 @@ from xronos.contract.assignment import RankAssignment
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import SEGMENT_FIELDS, DeviceProfile
-from xronos.contract.report import WARMUP_STEPS, CollectiveChoice, RankResult, ReplanCheck
+from xronos.contract.report import WARMUP_STEPS, CollectiveChoice, RankResult, ReplanCheck, drifted
 from xronos.contract.splits import ModelDims, ShardSplit
 
 KEEP_CHECKPOINTS = 2
-MAX_RESHARDS, MAX_REPLAN_CHECKS = 3, 8
-"""Mode xronos checks its split against the measured pace every `replan_after` timed steps, at
-most MAX_REPLAN_CHECKS times, and re-shards at most MAX_RESHARDS times, all in the first half of
-the job (`reshard_leaves_enough`). A check that keeps the split still recalibrates the profiles,
-so later checks start from a pace closer to the measured one (the first timed steps after a
-start or a re-shard are the noisiest)."""
+MAX_RESHARDS, CALIBRATION_CHECKS, CALIBRATION_RESHARDS, MAX_REPLAN_CHECKS = 6, 8, 3, 24
+"""Mode xronos checks its split against the measured pace every `replan_after` timed steps, for the
+whole job while a re-shard leaves steps to measure it (`reshard_leaves_enough`).
+
+The first CALIBRATION_CHECKS checks (until CALIBRATION_RESHARDS re-shards) re-plan whatever they
+measure, over the split's timed steps so far: a check that keeps the split still recalibrates the
+profiles, so later checks start from a pace closer to the measured one (the first timed steps
+after a start or a re-shard are the noisiest). Later checks measure the last DRIFT_WINDOW timed
+steps and re-plan only when a rank drifted from its prediction (`sustained_drift`: a device another
+program slowed down, or one that got its CPU back); one that did not costs one small all-gather.
+A job re-shards at most MAX_RESHARDS times, so a device whose pace keeps changing cannot make the
+ranks re-shard without end, and half of them are left for drift. The report keeps every re-shard
+and the first MAX_REPLAN_CHECKS re-plans that kept the split (a long job on a noisy device must
+not grow its result by a check every few steps)."""
+DRIFT_WINDOW = 4
+"""Timed steps a drift check measures (at least `replan_after`): a few, so that a device slowed
+mid-job shows within them, not diluted by a long split's history; all of them must be off the
+prediction, so that a slow step or two do not."""
+RESHARD_MIN_STEPS_LEFT = WARMUP_STEPS + 1
+"""A check re-plans only with this many steps left: the new split's warm-up and a step to time it
+(the report times the last split alone). Whether the steps left pay the re-shard back is the
+gain's to say (`min_replan_gain`)."""
 
 
 class WorkerSpec(BaseModel):
@@ -74,6 +90,12 @@ class WorkerSpec(BaseModel):
     show_progress: bool = False
     progress_file: str | None = Field(None, description="Append one JSON line per step here (read by the node agent).")
     quota_file: str | None = Field(None, description="The cgroup.procs file to join once imports are done (cpu_quota).")
+    replicate_checkpoints: bool = Field(
+        False,
+        description="Every rank keeps the whole of every checkpoint in its own output (node agents: a "
+        "checkpoint must outlive the node that wrote it, and each node resumes from its own copy); "
+        "without, rank 0 alone writes (`xronos run`: its ranks share one host and one output).",
+    )
 
 
 class Trainer:
@@ -105,7 +127,7 @@ class Trainer:
                 f"but this job's micro-batches have {self.job.batch_size // self.job.grad_accum} rows"
             )
         self.output = Path(self.job.output)
-        if self.rank == 0:  # the rank that writes: what a crashed save of an earlier run left goes
+        if self.rank == 0 or spec.replicate_checkpoints:  # a rank that writes: a crashed save's leftovers go
             for leftover in checkpoint.clean_leftovers(self.output):
                 print(f"xronos: removed {leftover}, left by an interrupted save", file=sys.stderr)
         resume_from = Path(spec.resume_from) if spec.resume_from is not None else None
@@ -120,6 +142,7 @@ class Trainer:
         self.optimizer = self.make_optimizer()
         self.measure_from = 0
         self.reshards, self.replan_checks = 0, 0
+        self.last_check: ReplanCheck | None = None
         self.replans: list[ReplanCheck] = []
         self.rows = load_file(spec.rows_file)["input_ids"]
         self.start_step = 0
@@ -237,9 +260,7 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{self.step_seconds[-1]:.2f}")
                 bar.update()
-            room = self.reshard_leaves_enough(step)
-            timed = len(self.step_seconds) - self.timed_from()
-            if room and self.can_replan() and timed > 0 and timed % self.job.replan_after == 0:
+            if self.replan_due(step):
                 self.replan()
             every = self.job.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < self.job.steps:
@@ -298,45 +319,82 @@ class Trainer:
             and self.world > 1
             and self.job.replan_after > 0
             and self.reshards < MAX_RESHARDS
-            and self.replan_checks < MAX_REPLAN_CHECKS
         )
 
     def reshard_leaves_enough(self, step: int) -> bool:
-        """Whether a re-shard after `step` leaves at least half the job on the new split.
+        """Whether a re-shard after `step` leaves the steps that measure the new split.
 
-        The steps after a re-shard warm up again and the report times only the last split,
-        so a late re-shard would leave a few noisy steps to measure (and pay its reload
-        for little): re-planning belongs to the first half of a job. (Checks come after the
-        warm-up steps, so at least one step, always timed, follows a re-shard.)
+        The steps after a re-shard warm up again and the report times only the last split, so a
+        re-shard must leave its warm-up and a timed step (RESHARD_MIN_STEPS_LEFT). Whether the
+        steps left pay its seconds back is for the gain to say (`min_replan_gain`).
         """
-        return 2 * (step + 1) <= self.job.steps
+        return self.job.steps - (step + 1) >= RESHARD_MIN_STEPS_LEFT
+
+    def replan_due(self, step: int) -> bool:
+        """Whether a check runs after `step`: every `replan_after` timed steps of the current split,
+        while a re-shard would leave enough steps; a drift check once the split has a whole window."""
+        if not (self.can_replan() and self.reshard_leaves_enough(step)):
+            return False
+        timed = len(self.step_seconds) - self.timed_from()
+        if timed <= 0 or timed % self.job.replan_after:
+            return False
+        return self.calibrating() or timed >= self.drift_window()
+
+    def calibrating(self) -> bool:
+        """Whether the next check is one of the job's first, which re-plan whatever they measure."""
+        return self.replan_checks < CALIBRATION_CHECKS and self.reshards < CALIBRATION_RESHARDS
+
+    def drift_window(self) -> int:
+        return max(self.job.replan_after, DRIFT_WINDOW)
+
+    def sustained_drift(self, compute: list[float]) -> float:
+        """This rank's compute in each of these steps over its profile's prediction: the ratio nearest 1
+        when every step is off the same way, else 1.0 (a step or two off is noise, not a slower or
+        faster device; CPU quotas in 4 ms periods on shared cores vary single steps by ~15%)."""
+        from xronos.planner.replan import predicted_compute
+
+        predicted = predicted_compute(self.profiles, self.dims, self.split)[self.rank] * self.job.grad_accum
+        ratios = [c / predicted for c in compute] if predicted > 0 else [1.0]
+        return min(ratios) if min(ratios) > 1 else max(ratios) if max(ratios) < 1 else 1.0
 
     def timed_from(self) -> int:
         """The first step of the current split that counts for timing (not a warm-up)."""
         return self.measure_from if self.measure_from else WARMUP_STEPS
 
+    def measured_steps(self, calibrating: bool) -> range:
+        """What a check measures: the current split's timed steps so far (the first checks), or its
+        last `drift_window` (the later ones: a pace that changed mid-split shows undiluted)."""
+        start, end = self.timed_from(), len(self.step_seconds)
+        return range(start if calibrating else max(start, end - self.drift_window()), end)
+
     def replan(self) -> None:
         """Re-size every shard from the compute each rank really measured, then re-shard in place.
 
-        Timed steps so far (all but the warm-up) give each rank's compute per step, in all and
-        in its attention, MLP and vocabulary segments; rank 0 re-plans with profiles scaled to
-        match; a changed split is applied in memory, the slices that change hands sent
-        rank to rank (`reshard`).
+        The steps measured (`measured_steps`) give each rank's compute per step, in all and in its
+        attention, MLP and vocabulary segments, and its `sustained_drift`. A drift check ends there
+        when no rank drifted beyond DRIFT_THRESHOLD (every rank tells from the same gathered numbers,
+        so all agree without a word). Otherwise rank 0 re-plans with profiles scaled to match; a
+        changed split is applied in memory, the slices that change hands sent rank to rank (`reshard`).
         """
         from xronos.planner.replan import MeasuredCompute, Replan, replan
 
         as_json = TypeAdapter(Replan)  # what rank 0 decided travels as JSON, never pickled
 
-        self.replan_checks += 1
-        timed = range(self.timed_from(), len(self.step_seconds))
+        calibrating = self.calibrating()
+        timed = self.measured_steps(calibrating)
         per_micro_step = len(timed) * self.job.grad_accum
+        compute = [self.step_seconds[k] - self.comm_seconds[k] for k in timed]
         mine = [
-            sum(self.step_seconds[k] - self.comm_seconds[k] for k in timed) / per_micro_step,
+            sum(compute) / per_micro_step,
             *(sum(column) / per_micro_step for column in zip(*(self.segment_seconds[k] for k in timed))),
+            self.sustained_drift(compute),
         ]
         gathered = [torch.zeros(len(mine)) for _ in range(self.world)]
         dist.all_gather(gathered, torch.tensor(mine))
-        measured = [MeasuredCompute(t[0].item(), tuple(t[1:].tolist())) for t in gathered]
+        if not calibrating and not any(drifted(t[-1].item()) for t in gathered):
+            return
+        measured = [MeasuredCompute(t[0].item(), tuple(t[1:-1].tolist())) for t in gathered]
+        self.replan_checks += 1
         decision = None
         if self.rank == 0:
             decision = as_json.dump_json(
@@ -354,16 +412,16 @@ class Trainer:
         changed = new_split != self.assignment.split
         accum = self.job.grad_accum
         started = time.perf_counter()
-        self.replans.append(
-            ReplanCheck(
-                after_step=len(self.step_seconds) + self.start_step,
-                measured_compute_seconds=[m.total * accum for m in measured],
-                measured_segment_seconds=[tuple(x * accum for x in m.segments) for m in measured],
-                predicted_compute_seconds=[s * accum for s in predicted],
-                new_split=new_split if changed else None,
-                predicted_gain=gain,
-            )
+        self.last_check = ReplanCheck(
+            after_step=len(self.step_seconds) + self.start_step,
+            measured_compute_seconds=[m.total * accum for m in measured],
+            measured_segment_seconds=[tuple(x * accum for x in m.segments) for m in measured],
+            predicted_compute_seconds=[s * accum for s in predicted],
+            new_split=new_split if changed else None,
+            predicted_gain=gain,
         )
+        if changed or self.replan_checks <= MAX_REPLAN_CHECKS:
+            self.replans.append(self.last_check)
         self.assignment = self.assignment.model_copy(update={"profiles": calibrated})
         if not changed:
             return
@@ -371,14 +429,18 @@ class Trainer:
         self.replans[-1] = self.replans[-1].model_copy(update={"reshard_seconds": time.perf_counter() - started})
 
     def min_replan_gain(self, step_seconds: float) -> float:
-        """The gain this check needs to re-shard (`xronos.planner.replan.min_replan_gain`)."""
-        from xronos.planner.replan import min_replan_gain
+        """The gain this check needs to re-shard: `xronos.planner.replan.min_replan_gain`, and at least
+        what pays the last re-shard's seconds back over the steps left (`payback_gain`)."""
+        from xronos.planner.replan import min_replan_gain, payback_gain
 
-        last = self.replans[-1] if self.replans else None
+        last = self.last_check
         kept_gain = last.predicted_gain if last is not None and last.new_split is None else None
         timed = [c.reshard_seconds for c in self.replans if c.reshard_seconds is not None]
+        cost = timed[-1] if timed else None
         steps_left = self.job.steps - self.start_step - len(self.step_seconds)
-        return min_replan_gain(kept_gain, timed[-1] if timed else None, step_seconds, steps_left)
+        return max(
+            min_replan_gain(kept_gain, cost, step_seconds, steps_left), payback_gain(cost, step_seconds, steps_left)
+        )
 
     def reshard(self, new_split: ShardSplit) -> None:
         """Move every rank to `new_split` in memory (`edge_node.reshard`): parameters and AdamW
@@ -404,7 +466,7 @@ class Trainer:
         self.model.train()
 
     # -- checkpoints --------------------------------------------------------
-    def _save(self, final: Path, with_optimizer: bool, state: dict | None) -> None:
+    def _save(self, final: Path, with_optimizer: bool, state: dict | None, replicate: bool = False) -> None:
         checkpoint.save(
             final,
             Path(self.job.model),
@@ -415,10 +477,12 @@ class Trainer:
             self.world,
             optimizer=self.optimizer if with_optimizer else None,
             trainer_state=state,
+            replicate=replicate,
         )
 
     def save_checkpoint(self, step: int) -> None:
-        """A resumable checkpoint: model, AdamW moments, step and losses so far."""
+        """A resumable checkpoint: model, AdamW moments, step and losses so far (on every rank, with
+        `replicate_checkpoints`: each then prunes its own)."""
         state = {
             "step": step,
             "model": self.job.model,
@@ -426,8 +490,8 @@ class Trainer:
             "losses": self.losses,
             "replans": [c.model_dump() for c in self.replans],
         }
-        self._save(checkpoint.checkpoint_dir(self.output, step), True, state)
-        if self.rank == 0:
+        self._save(checkpoint.checkpoint_dir(self.output, step), True, state, self.spec.replicate_checkpoints)
+        if self.rank == 0 or self.spec.replicate_checkpoints:
             checkpoint.prune_checkpoints(self.output, KEEP_CHECKPOINTS)
 
     def save_final(self) -> None:

@@ -19,6 +19,43 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (its workers)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line, arguments separated by NUL ('' once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and its descendants at once, as a device unplugged ends them all."""
+    import signal
+
+    family, i = [pid], 0
+    while i < len(family):
+        try:
+            family += children(family[i])
+        except OSError:
+            pass
+        i += 1
+    for p in family:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def xronos_process(*args: str, user: str, password: str, url: str, log: Path) -> subprocess.Popen:
     """`xronos ARGS` as its own process, the broker and credentials in the environment (never in argv)."""
     env = {**os.environ, "XRONOS_BROKER": url, "XRONOS_USERNAME": user, "XRONOS_PASSWORD": password}

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from live_cluster import children
 from transformers import GPT2Config
 
 from edge_node.worker_process import last_error
@@ -84,13 +85,6 @@ def test_unknown_mode_is_refused_by_the_parser(model_dir, data_file, tmp_path, c
     assert "invalid choice: 'fast'" in capsys.readouterr().err
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -115,7 +109,7 @@ def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_pat
     deadline = time.monotonic() + 120
     workers = []
     while time.monotonic() < deadline and len(workers) < 3:
-        workers = _children(launcher.pid)
+        workers = children(launcher.pid)
         time.sleep(0.2)
     assert len(workers) == 3
     rank1 = next(p for p in workers if Path(f"/proc/{p}/cmdline").read_bytes().endswith(b"spec-1.json\0"))

@@ -230,7 +230,9 @@ def train_long_in_background(cluster, job_id: str) -> tuple[threading.Thread, di
     return runner, done
 
 
-def test_a_worker_killed_mid_job_fails_the_job_by_name_and_frees_the_nodes(cluster):
+def test_a_job_whose_worker_is_killed_goes_on_without_that_node_which_is_free_again(cluster):
+    """A worker killed by a signal (the OOM killer, a user) loses its node to the job, as a device lost
+    does: the job resumes on the other node (docs/faults.md); its failure is not the job's own."""
     root = cluster["root"]
     runner, done = train_long_in_background(cluster, "doomed")
     spec = root / "n1" / "jobs" / "doomed" / "spec.json"
@@ -242,10 +244,11 @@ def test_a_worker_killed_mid_job_fails_the_job_by_name_and_frees_the_nodes(clust
 
     pid = wait_for(n1_worker_training, 120, "n1's worker to train")
     os.kill(pid, signal.SIGKILL)
-    runner.join(timeout=120)
+    runner.join(timeout=300)
     result = done["result"]
-    assert result.returncode != 0
-    assert "doomed failed" in result.stderr and "node n1" in result.stderr and "SIGKILL" in result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "doomed: resumed on 1 node after losing n1 at step" in result.stderr
+    assert "job doomed completed" in result.stdout
     # both nodes are free again: a new job on them completes
     again = train(cluster, "after-1", "--mode", "xronos", "--steps", "2", log_name="train-after.log")
     assert again.returncode == 0, again.stdout + again.stderr

@@ -1,4 +1,4 @@
-"""Pure split arithmetic: sums, proportions, slices, and the errors users see."""
+"""Pure split arithmetic: sums, proportions, slices, and the errors users see; the checkpoint interval."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 
 from edge_node.tp.plan import Slice, param_slice
 from xronos.contract.errors import XronosError
+from xronos.contract.job import MAX_EVERY, JobOptions
 from xronos.contract.splits import ModelDims, ShardSplit
+from xronos.planner.checkpoint_plan import (
+    CHECKPOINT_SHARE,
+    checkpoint_interval,
+    checkpoint_seconds,
+    parameter_count,
+)
+from xronos.planner.job_plan import JobPlan
 from xronos.planner.planning import even_split, split_for_mode, split_units, weighted_split
 
 DIMS = ModelDims(
@@ -81,3 +89,47 @@ def test_holders_are_the_ranks_with_some_of_a_dimension():
         vocab_rows=[49152, 0, 0, 0],
     )
     assert shared.holders("kv_groups") == (0, 1, 2)  # rows of a shared group are a share
+
+
+def _plan(step_seconds: float | None, world: int = 3) -> JobPlan:
+    return JobPlan(ranks=list(range(world)), reasons=[None] * world, predicted_step_seconds=step_seconds)
+
+
+def test_checkpoint_interval_grows_with_the_model_and_shrinks_with_the_step():
+    job = JobOptions(model="m", data="d", output="o", steps=1000)
+    small = DIMS.model_copy(update={"num_layers": 4})
+    assert checkpoint_interval(job, DIMS, _plan(10.0)) > checkpoint_interval(job, small, _plan(10.0))
+    assert checkpoint_interval(job, DIMS, _plan(60.0)) < checkpoint_interval(job, DIMS, _plan(10.0))
+    # about CHECKPOINT_SHARE of the time: one checkpoint per interval of predicted steps
+    every = checkpoint_interval(job, DIMS, _plan(10.0))
+    assert checkpoint_seconds(DIMS, 3) / (every * 10.0) == pytest.approx(CHECKPOINT_SHARE, rel=0.05)
+    # one device moves nothing over the network: it checkpoints more often
+    assert checkpoint_interval(job, DIMS, _plan(10.0, world=1)) < every
+
+
+@given(step=st.floats(1e-300, 1e9), layers=st.integers(1, 200))
+def test_checkpoint_interval_is_at_least_one_and_at_most_what_a_job_admits(step, layers):
+    job = JobOptions(model="m", data="d", output="o", steps=10)
+    every = checkpoint_interval(job, DIMS.model_copy(update={"num_layers": layers}), _plan(step))
+    assert 1 <= every <= MAX_EVERY
+    assert JobOptions(model="m", data="d", output="o", checkpoint_every=every).checkpoint_every == every
+    assert checkpoint_interval(job, DIMS, _plan(None)) == 5  # no prediction: once, halfway
+
+
+def test_parameter_count_is_the_models():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    for tied in (True, False):
+        config = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=100,
+            tie_word_embeddings=tied,
+        )
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert parameter_count(ModelDims.from_config(config)) == sum(p.numel() for p in model.parameters())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from live_cluster import node_process, train_by_command, wait_for, xronos_process
+from live_cluster import children, cmdline, node_process, train_by_command, wait_for, xronos_process
 
 from controller.jobs import STALL_STEPS, stall_limit
 from edge_node.model_io import load_config
@@ -104,27 +104,6 @@ def _dims() -> ModelDims:
 
 
 # -- `xronos run`: the collective timeout -----------------------------------------------------
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rpartition(")")[2].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def test_xronos_run_survivors_give_up_on_a_frozen_worker_after_the_collective_timeout(tmp_path, model_dir, data_file):
     timeout = 6.0
     log = tmp_path / "run.log"
@@ -162,10 +141,10 @@ def test_xronos_run_survivors_give_up_on_a_frozen_worker_after_the_collective_ti
     try:
 
         def rank1_training():
-            worker = next((p for p in _children(run.pid) if "spec-1.json" in _cmdline(p)), None)
+            worker = next((p for p in children(run.pid) if "spec-1.json" in cmdline(p)), None)
             if worker is None:
                 return None
-            spec = _cmdline(worker).split("\0")
+            spec = cmdline(worker).split("\0")
             run_dir = Path(next(a for a in spec if a.endswith("spec-1.json"))).parent
             progress = run_dir / "progress-1.jsonl"
             return worker if progress.is_file() and progress.read_text().count("\n") >= 3 else None
@@ -314,7 +293,7 @@ def test_a_frozen_worker_fails_its_job_by_the_watchdog_and_the_node_is_freed(clu
     def worker_training():
         if not progress.is_file() or progress.read_text().count("\n") < 3:
             return None
-        return next((int(p) for p in os.listdir("/proc") if p.isdigit() and spec in _cmdline(int(p))), None)
+        return next((int(p) for p in os.listdir("/proc") if p.isdigit() and spec in cmdline(int(p))), None)
 
     pid = wait_for(worker_training, 120, "n0's worker to train")
     os.kill(pid, signal.SIGSTOP)

@@ -138,8 +138,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint-every",
         type=_whole(0, limits.MAX_EVERY),
-        default=0,
-        help="checkpoint every N steps (0: final only)",
+        default=None,
+        help="checkpoint every N steps (0: final only; default: train lets the controller choose, "
+        "about 5%% of the job's time; run and bench write the final model only)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument(
@@ -152,8 +153,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         type=_whole(0, limits.MAX_EVERY),
         default=2,
         help="xronos mode: check the split against the measured compute every this many timed steps "
-        "(re-shard for a predicted 3%% gain, or 1%% that two checks in a row find; at most 8 checks, "
-        "3 re-shards; 0: never)",
+        "(re-shard for a predicted 3%% gain, or 1%% that two checks in a row find; after 8 checks, only when a "
+        "device's pace drifts over 10%% for several steps; at most 6 re-shards; 0: never)",
     )
     p.add_argument(
         "--collective",
@@ -505,6 +506,8 @@ def cmd_train(args) -> int:
     print_report(status.report)
     node, _, directory = status.output.partition(":")
     print(f"job {command.job_id} completed: model written to {directory} on node {node}")
+    for recovery in status.recoveries:
+        print(f"  {recovery.describe()}")
     if args.report:
         print(f"report written to {args.report}")
     return 0

@@ -59,7 +59,7 @@ def submit(
             raise XronosError("the broker did not take the train command")
         if not wait:
             return None
-        bar, deadline, seen = None, None if timeout is None else time.monotonic() + timeout, 0
+        bar, deadline, seen, told = None, None if timeout is None else time.monotonic() + timeout, 0, 0
         while True:
             with changed:
                 changed.wait(timeout=1.0)
@@ -67,6 +67,9 @@ def submit(
             for status in fresh:
                 if status.ts < command.ts:  # a retained status of an earlier job with this id
                     continue
+                for recovery in status.recoveries[told:]:  # a node lost: the job goes on without it
+                    print(f"job {command.job_id}: {recovery.describe()}", file=sys.stderr)
+                told = max(told, len(status.recoveries))
                 if show_progress and status.state == "running" and bar is None:
                     from tqdm import tqdm
 
@@ -173,3 +176,5 @@ def print_cluster(view: ClusterView) -> None:
             steps = f"{j.step if j.step is not None else '-'}/{j.steps or '-'}"
             loss = f"{j.loss:.4f}" if j.loss is not None else "-"
             print(f"{j.job_id:<28} {j.state:<10} {steps:>9} {loss:>8}  {j.reason or ', '.join(j.nodes)}")
+            for recovery in j.recoveries:
+                print(f"{'':<28} {'':<10} {'':>9} {'':>8}  {recovery.describe()}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xronos.contract.report import NodeReport, RunReport, describe_layout
+from xronos.contract.report import NodeReport, ReplanCheck, RunReport, describe_layout, drifted
 from xronos.contract.splits import kv_label
 
 
@@ -47,8 +47,14 @@ def print_report(report: RunReport) -> None:
 
 
 def replan_lines(report: RunReport) -> list[str]:
-    """One line per re-plan check: measured (with its attention + MLP + vocabulary segments) against
-    predicted compute per rank, and the outcome."""
+    """One line per re-plan check: the devices whose compute drifted from the prediction beyond
+    DRIFT_THRESHOLD (a device slowed down mid-job re-plans so), measured (with its attention + MLP +
+    vocabulary segments) against predicted compute per rank, and the outcome."""
+    names = {n.rank: n.name or f"device {n.device}" for n in report.nodes}
+
+    def drift(c: ReplanCheck) -> str:
+        far = [(names.get(rank, f"rank {rank}"), x) for rank, x in enumerate(c.drift()) if drifted(x)]
+        return "".join(f"{name} drifted x{x:.2f}; " for name, x in far)
 
     def seconds(values: list[float]) -> str:
         return "/".join(f"{v:.2f}" for v in values)
@@ -64,7 +70,8 @@ def replan_lines(report: RunReport) -> list[str]:
         return f" ({', '.join(notes)})" if notes else ""
 
     return [
-        f"re-plan after step {c.after_step}: compute per step measured {seconds(c.measured_compute_seconds)}{parts(c)}, "
+        f"re-plan after step {c.after_step}: {drift(c)}"
+        f"compute per step measured {seconds(c.measured_compute_seconds)}{parts(c)}, "
         f"predicted {seconds(c.predicted_compute_seconds)} -> "
         + (f"re-sharded to {c.new_split.describe()}" if c.new_split else "kept")
         + outcome(c)

@@ -67,17 +67,31 @@ class JobOptions(BaseModel):
     lr: float = Field(1e-4, gt=0, le=MAX_LR, allow_inf_nan=False)
     seed: int = Field(0, ge=-MAX_SEED, le=MAX_SEED)
     shuffle: bool = True
-    checkpoint_every: int = Field(
-        0, ge=0, le=MAX_EVERY, description="Checkpoint every N steps (0: only the final model)."
+    checkpoint_every: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_EVERY,
+        description="Checkpoint every N steps (0: only the final model). None: the controller chooses for a job "
+        "over MQTT (checkpoints cost about 5% of its time; every node keeps each whole, so the job survives "
+        "the loss of any node); `xronos run` writes only the final model (its ranks share one host).",
     )
     resume: bool = Field(False, description="Continue from the newest checkpoint under `output`.")
+    resume_step: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_STEPS,
+        description="With `resume`: continue from the checkpoint of exactly this step (default: the newest "
+        "usable one). The controller sets it when it resumes a job on the survivors of a lost node, so every "
+        "rank starts from the same step.",
+    )
     replan_after: int = Field(
         2,
         ge=0,
         le=MAX_EVERY,
         description="Mode xronos: check the split against the measured compute every this many timed steps "
-        "and re-shard when that predicts 3% shorter steps (at most 8 checks and 3 re-shards, "
-        "in the first half of the job; 0: never).",
+        "and re-shard when that predicts 3% shorter steps; after the first 8 checks (3 re-shards at most), "
+        "for the rest of the job, only when a device's measured compute drifts over 10% from the plan in "
+        "every step of the last few (at most 6 re-shards in all; 0: never).",
     )
     micro_batches: int | None = Field(
         None, ge=1, le=MAX_BATCH, description="Pipeline mode: micro-batches per step (default: batch_size)."
@@ -96,12 +110,16 @@ class JobOptions(BaseModel):
         allow_inf_nan=False,
         description="Seconds a rank waits in one collective (or the rendezvous) for its peers before it fails "
         "the job: a peer that stopped answering (unplugged, frozen) frees the others after this long. It must "
-        "cover the slowest device loading its shard at the start and rank 0 writing a checkpoint or the final "
+        "cover the slowest device loading its shard at the start and the ranks writing a checkpoint or the final "
         "model while the others wait.",
     )
 
     @model_validator(mode="after")
-    def _accumulation_divides_batch(self) -> JobOptions:
+    def _consistent(self) -> JobOptions:
+        if self.resume_step is not None and not self.resume:
+            raise ValueError(f"resume_step {self.resume_step} needs resume (it names the checkpoint to resume from)")
+        if self.resume_step is not None and self.resume_step >= self.steps:
+            raise ValueError(f"resume_step {self.resume_step} is not before --steps {self.steps}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"--grad-accum {self.grad_accum} must divide --batch-size {self.batch_size}")
         if self.batch_size * self.seq_len > MAX_TOKENS_PER_STEP:

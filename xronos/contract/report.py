@@ -30,7 +30,8 @@ class ReplanCheck(BaseModel):
     after_step: int
     """The check ran after this many steps."""
     measured_compute_seconds: list[float]
-    """Per rank: mean compute seconds per step over the split's timed steps so far."""
+    """Per rank: mean compute seconds per step over the split's timed steps so far (a job's first checks)
+    or over its last few (`edge_node.trainer.DRIFT_WINDOW`: the later checks, which re-plan on drift)."""
     measured_segment_seconds: list[tuple[float, float, float]] | None = None
     """Per rank: of that compute, the seconds in the attention and the MLP segments of all layers, and in
     the vocabulary segment (the rest: embedding, AdamW)."""
@@ -42,6 +43,27 @@ class ReplanCheck(BaseModel):
     """How much shorter the best split's step is than the current one's, by the recalibrated profiles."""
     reshard_seconds: float | None = None
     """What the re-shard took (checkpoint, reload, optimizer state), when it re-sharded."""
+
+    def drift(self) -> list[float]:
+        """Per rank: measured / predicted compute (1.0 where either is missing)."""
+        return [
+            m / p if m > 0 and p > 0 else 1.0
+            for m, p in zip(self.measured_compute_seconds, self.predicted_compute_seconds)
+        ]
+
+
+DRIFT_THRESHOLD = 0.10
+"""A device drifts from the plan when its compute in every step a check measures is over 10% above (or
+below) what the profiles, as the job's checks recalibrated them, predict for its share: then the check
+re-plans (`edge_node.trainer.DRIFT_WINDOW`). A device that loses a quarter of its CPU computes a third
+slower; a single step varies by ~15% under CPU quotas on shared cores, but four in a row rarely all
+beyond 10% the same way."""
+
+
+def drifted(ratio: float) -> bool:
+    """Whether a measured / predicted compute ratio is beyond DRIFT_THRESHOLD, either way (a device
+    that slowed down, or one that got its CPU back)."""
+    return max(ratio, 1 / ratio) > 1 + DRIFT_THRESHOLD if ratio > 0 else False
 
 
 class CollectiveChoice(BaseModel):

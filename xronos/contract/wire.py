@@ -66,6 +66,12 @@ class Heartbeat(_Message):
     step: int | None = None
     loss: float | None = None
     step_seconds: float | None = Field(None, ge=0, description="Wall time of the step named by `step`.")
+    checkpoint: int | None = Field(
+        None,
+        ge=0,
+        description="The newest sealed checkpoint step this node holds for the job in flight (None: none): "
+        "where the job can resume on this node if a peer is lost. Read from a directory listing, not verified.",
+    )
 
 
 class ProfileMessage(_Message):
@@ -79,6 +85,9 @@ class ProfileMessage(_Message):
     )
     rendezvous_port: int | None = Field(
         None, ge=1, le=65535, description="A free port for the job's rendezvous, if rank 0."
+    )
+    attempt: float | None = Field(
+        None, description="The `ts` of the profile assignment it answers (a job resumed after a node loss asks again)."
     )
 
 
@@ -123,6 +132,11 @@ class NodeResult(_Message):
     parts: int = Field(
         1, ge=1, le=MAX_RESULT_PARTS, description="How many messages the result takes (a long job's is split)."
     )
+    attempt: float | None = Field(
+        None,
+        description="The `ts` of the profile assignment the node's part began with: a job resumed after a node "
+        "loss starts a new attempt, and results of an earlier one are not its own.",
+    )
 
     @model_validator(mode="after")
     def _part_in_parts(self) -> NodeResult:
@@ -134,12 +148,12 @@ class NodeResult(_Message):
 
 
 def result_parts(
-    job_id: str, node_id: str, result: RankResult, part_bytes: int = RESULT_PART_BYTES
+    job_id: str, node_id: str, result: RankResult, part_bytes: int = RESULT_PART_BYTES, attempt: float | None = None
 ) -> list[NodeResult]:
     """A node's result as messages of at most `part_bytes` each: one when it fits, else runs of the
     per-step series (PER_STEP_FIELDS) in order, the other fields repeated (the re-plan checks, at
     most a few, in the first part only)."""
-    whole = NodeResult(job_id=job_id, node_id=node_id, ok=True, result=result)
+    whole = NodeResult(job_id=job_id, node_id=node_id, ok=True, result=result, attempt=attempt)
     size = len(RESULT.encode(whole))
     if size <= part_bytes:
         return [whole]
@@ -152,6 +166,7 @@ def result_parts(
                 ok=True,
                 part=i,
                 parts=parts,
+                attempt=attempt,
                 result=result.model_copy(
                     update={
                         **{f: _run_of(getattr(result, f), i, parts) for f in PER_STEP_FIELDS},
@@ -196,9 +211,39 @@ class StopCommand(_Message):
     job_id: Id
 
 
+MAX_RECOVERIES = 16
+"""Resumptions of one job after node losses; beyond, a loss fails it (a fleet is tens of devices)."""
+
+
+class Recovery(BaseModel):
+    """A job going on after losing nodes: re-planned on the others, resumed from its last checkpoint."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lost: list[Id] = Field(min_length=1, description="The nodes it lost.")
+    reason: str = Field(max_length=2000, description="How the loss showed (a will, silence, a worker killed).")
+    at_step: int = Field(ge=0, description="The newest step the job had reached when the loss was noticed.")
+    resumed_from: int = Field(
+        ge=0, description="The checkpoint step it goes on from (0: from the start, there was no checkpoint yet)."
+    )
+    nodes: list[Id] = Field(min_length=1, description="The nodes it goes on with (re-planned from their profiles).")
+    ts: float = Field(default_factory=time.time)
+
+    def describe(self) -> str:
+        lost = max(0, self.at_step - self.resumed_from)
+        start = f"the checkpoint of step {self.resumed_from}" if self.resumed_from else "step 0: no checkpoint yet"
+        return (
+            f"resumed on {len(self.nodes)} node{'s' * (len(self.nodes) != 1)} after losing {', '.join(self.lost)} "
+            f"at step {self.at_step}; {lost} step{'s' * (lost != 1)} lost (from {start})"
+        )
+
+
 class JobStatus(_Message):
     job_id: Id
     state: Literal["planning", "running", "completed", "failed", "stopped"]
+    recoveries: list[Recovery] = Field(
+        [], max_length=MAX_RECOVERIES, description="Node losses the job survived, oldest first (`Recovery`)."
+    )
     step: int | None = None
     loss: float | None = None
     steps: int | None = None

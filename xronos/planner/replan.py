@@ -1,5 +1,7 @@
 """Re-planning during a job: profiles recalibrated from the compute each rank measured, and
 whether the better split is worth a re-shard (a gain two checks agree on, paid back in time).
+A job's first checks re-plan whatever they measure; the later ones only on drift
+(`xronos.contract.report.DRIFT_THRESHOLD`), such as a device that another program slowed down.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ def min_replan_gain(
     check before kept the split though it found a gain of at least that much (whichever split it was;
     `kept_gain`; None: it re-sharded, or there was none), raised to what pays back a re-shard's seconds
     (`reshard_seconds`, the last one's, when one has been timed, not counting the warm-up steps after
-    it) over the steps left, and never above MIN_REPLAN_GAIN (which re-shards regardless)."""
+    it) over the steps left, and never above MIN_REPLAN_GAIN (which re-shards wherever the steps left
+    pay the re-shard back: `payback_gain` says where they do)."""
     if kept_gain is None or kept_gain < CONFIRMED_REPLAN_GAIN:
         return MIN_REPLAN_GAIN
     payback = (
@@ -141,6 +144,22 @@ def min_replan_gain(
         else 0.0
     )
     return min(MIN_REPLAN_GAIN, max(CONFIRMED_REPLAN_GAIN, payback))
+
+
+def payback_gain(reshard_seconds: float | None, step_seconds: float, steps_left: int) -> float:
+    """The gain at which a re-shard pays back its seconds (`reshard_seconds`: the last one's, when one has
+    been timed; None: none yet, counted free) over the steps left, unbounded: what keeps a check late in
+    a job from re-sharding for less than it costs (1.0 and more: no gain can)."""
+    if not reshard_seconds:
+        return 0.0
+    if steps_left <= 0 or step_seconds <= 0:
+        return 1.0
+    return reshard_seconds / (step_seconds * steps_left)
+
+
+def predicted_compute(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit) -> list[float]:
+    """Per rank: the compute seconds per micro-step its profile predicts for its share of `split`."""
+    return [device_compute(p, dims, *share) for p, share in zip(profiles, split.shares())]
 
 
 class Replan(NamedTuple):
@@ -172,7 +191,7 @@ def replan(
 
     The ranks stay the ranks (the process group is fixed), so every device keeps taking part.
     """
-    predictions = [device_compute(p, dims, *share) for p, share in zip(profiles, split.shares())]
+    predictions = predicted_compute(profiles, dims, split)
     # Most of the way (geometrically) towards the measurement, not all: a device's pace depends
     # on its share (under a CPU quota, the less it waits the slower it computes).
     calibrated = [
