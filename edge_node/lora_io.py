@@ -1,0 +1,157 @@
+"""LoRA adapters in and out as peft writes them, and the merged model as plain transformers reads it.
+
+An adapter directory holds `adapter_config.json` (peft's `LoraConfig`) and
+`adapter_model.safetensors` (the factors, full, under peft's names), so
+`peft.PeftModel.from_pretrained(base_model, directory)` loads it. Written from sharded ranks
+like a checkpoint (`edge_node.checkpoint`): rank 0 gathers each factor (`gather_full`: every
+rank knows every rank's slice from the split, `lora_slice`), streams it to disk, seals the
+directory with a manifest and renames it into place. With the AdamW moments and a trainer
+state it is an adapter-only checkpoint: a few MB where the full model's is hundreds, and still
+an adapter peft loads. The merged model (`save_merged`) adds each rank's delta into its own
+base shard and is then written as any fine-tuned model is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edge_node.checkpoint import (
+    TRAINER_STATE,
+    SliceOf,
+    _temp_dir,
+    adam_moments,
+    gather_full,
+    publish_dir,
+    save,
+    seal,
+    write_safetensors,
+)
+from edge_node.model_io import SafetensorsReader
+from edge_node.optimizer import ADAM_MOMENTS, adam_state
+from edge_node.tp.lora import lora_parameters, merge_lora
+from xronos.contract.errors import XronosError
+from xronos.contract.lora import LoraOptions
+
+ADAPTER_STEM = "adapter_model"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+"""What peft's adapter files put before a parameter's name in the model (PeftModel's `base_model.model`)."""
+
+
+def peft_key(name: str) -> str:
+    """A factor's name in an adapter file: 'model.layers.0.mlp.up_proj.lora_A.weight' ->
+    'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight'."""
+    return PEFT_PREFIX + name
+
+
+def write_adapter_config(directory: Path, lora: LoraOptions, base_model: str | os.PathLike) -> None:
+    """`adapter_config.json`, written by peft's own `LoraConfig` (so its fields are the installed peft's)."""
+    from peft import LoraConfig
+
+    LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(base_model),
+        inference_mode=True,
+    ).save_pretrained(str(directory))
+
+
+def check_adapter(directory: Path, lora: LoraOptions) -> None:
+    """Raise a one-line XronosError unless the adapter in `directory` has this job's rank and targets."""
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as err:
+        raise XronosError(f"{directory}: no readable {ADAPTER_CONFIG} ({type(err).__name__})") from None
+    if config.get("r") != lora.r or set(config.get("target_modules") or ()) != set(lora.targets):
+        raise XronosError(
+            f"{directory}: an adapter of rank {config.get('r')} on {config.get('target_modules')}, "
+            f"not --lora {lora.r} on {', '.join(lora.targets)}"
+        )
+
+
+def load_adapter(
+    model: nn.Module, directory: str | os.PathLike, lora: LoraOptions, slice_of: SliceOf, rank: int
+) -> None:
+    """Fill the factors of a model `apply_lora` adapted with this rank's slices of a peft adapter
+    (or an adapter checkpoint), read memory-mapped."""
+    check_adapter(Path(directory), lora)
+    reader = SafetensorsReader(directory, stem=ADAPTER_STEM)
+    with torch.no_grad():
+        for name, param in lora_parameters(model).items():
+            param.copy_(reader.read(peft_key(name), slice_of(name, rank)))
+
+
+def restore_adapter_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    directory: str | os.PathLike,
+    slice_of: SliceOf,
+    rank: int,
+    step: float,
+) -> None:
+    """AdamW moments of this rank's factor slices, from an adapter checkpoint (`save_adapter` with an optimizer)."""
+    readers = [SafetensorsReader(directory, stem=key) for key in ADAM_MOMENTS]
+    for name, param in lora_parameters(model).items():
+        optimizer.state[param] = adam_state(step, [r.read(peft_key(name), slice_of(name, rank)) for r in readers])
+
+
+def save_adapter(
+    final: Path,
+    model: nn.Module,
+    lora: LoraOptions,
+    base_model: str | os.PathLike,
+    shapes: dict[str, torch.Size],
+    slice_of: SliceOf,
+    rank: int,
+    world: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainer_state: dict | None = None,
+) -> None:
+    """Collective: write the adapter of all ranks to `final` on rank 0, as peft writes it (`shapes`:
+    `lora_shapes`); with `optimizer` and `trainer_state`, an adapter-only checkpoint."""
+    params = lora_parameters(model)
+    tmp = _temp_dir(final) if rank == 0 else None
+    keyed = {peft_key(name): shape for name, shape in shapes.items()}
+    digests: dict[str, dict] = {}
+
+    def write(stem: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if tmp is None:
+            list(tensors)  # a sender: gather_full sends as it is iterated
+        else:
+            digests.update(write_safetensors(tmp, stem, keyed, ((peft_key(n), t) for n, t in tensors)))
+
+    write(ADAPTER_STEM, gather_full(params, shapes, slice_of, rank, world))
+    if optimizer is not None:
+        for key in ADAM_MOMENTS:
+            write(key, gather_full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
+    if tmp is not None:  # rank 0
+        write_adapter_config(tmp, lora, base_model)
+        if trainer_state is not None:
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        seal(tmp, digests)
+        publish_dir(tmp, final)
+
+
+def save_merged(
+    final: Path,
+    source_model: Path,
+    model: nn.Module,
+    shapes: dict[str, torch.Size],
+    slice_of: SliceOf,
+    rank: int,
+    world: int,
+) -> None:
+    """Collective: merge every rank's factors into its base shard (the model stays merged) and write the
+    full model to `final` on rank 0 in Hugging Face format (`shapes`: the base model's,
+    `full_param_shapes`)."""
+    merge_lora(model)
+    save(final, source_model, model, shapes, slice_of, rank, world)
