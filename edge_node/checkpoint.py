@@ -49,6 +49,7 @@ from edge_node.tp.comm import broadcast_bytes
 from edge_node.tp.plan import Slice
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
+from xronos.contract.lora import LoraOptions
 
 SliceOf = Callable[[str, int], Slice | None]
 """(parameter name, rank) -> that rank's slice, or None when replicated."""
@@ -64,6 +65,9 @@ def sharded_slice(slice_of: SliceOf, name: str, rank: int) -> Slice:
 
 MAX_FILE_BYTES = 2 * 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json")
+ADAPTER_CONFIG = "adapter_config.json"
+"""What makes a directory a peft adapter (`edge_node.lora_io`): transformers loads the adapter's base model and
+the adapter from a directory that has one, so a full model written over an adapter must not keep it."""
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
@@ -354,10 +358,12 @@ def publish_shared(tmp: Path, final: Path) -> None:
 
 
 def promote_files(finished: Path, target: Path) -> None:
-    """Move a finished model's files into `target` (one atomic rename each), dropping stale weights."""
+    """Move a finished model's files into `target` (one atomic rename each), dropping stale weights and a
+    stale adapter config (a full model written over an adapter, or an adapter over a full model)."""
     new = {path.name for path in finished.iterdir()}
     for path in target.iterdir():
-        if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES) and path.name not in new:
+        stale = path.name.endswith(WEIGHT_SUFFIXES) or path.name == ADAPTER_CONFIG
+        if path.is_file() and stale and path.name not in new:
             path.unlink()
     for name in sorted(new, key=lambda n: n.endswith(WEIGHT_SUFFIXES)):  # weights last
         os.replace(finished / name, target / name)
@@ -482,9 +488,21 @@ def _chosen_checkpoint(output: Path, step: int) -> Path:
     return found
 
 
+def _training_of(lora: LoraOptions | dict | None) -> str:
+    """How a job trains, in the words of its options: 'by full fine-tuning', 'with --lora 4 (alpha 8, ...)'."""
+    if lora is None:
+        return "by full fine-tuning"
+    lora = LoraOptions.model_validate(lora)
+    return (
+        f"with --lora {lora.r} (--lora-alpha {lora.lora_alpha}, --lora-dropout {lora.dropout:g}, "
+        f"--lora-targets {','.join(lora.targets)})"
+    )
+
+
 def resume_point(output: Path, job: JobOptions) -> Path:
     """The checkpoint `--resume` continues from, or a one-line XronosError: none usable (with why the
-    newer ones were passed over), one of another `--model`, or `--steps` not beyond it.
+    newer ones were passed over), one of another `--model` or other LoRA options (or of full fine-tuning for a
+    LoRA job, and the reverse), or `--steps` not beyond it.
 
     With `job.resume_step` it is that step's checkpoint or an error: the controller names the step when
     it resumes a job on the survivors of a lost node, so every rank starts from the same one (a node
@@ -502,6 +520,12 @@ def resume_point(output: Path, job: JobOptions) -> Path:
         raise XronosError(
             f"--resume: {found} was trained from --model {state['model']}, not {job.model}; "
             "resume with that model, or give a new --output"
+        )
+    theirs = state.get("lora")
+    if (LoraOptions.model_validate(theirs) if theirs else None) != job.lora:
+        raise XronosError(
+            f"--resume: {found} was trained {_training_of(theirs)}, not {_training_of(job.lora)}; resume with "
+            "its options, or give a new --output"
         )
     if job.steps <= state["step"]:
         raise XronosError(

@@ -22,24 +22,27 @@ import torch
 from torch import nn
 
 from edge_node.checkpoint import (
+    ADAPTER_CONFIG,
     TRAINER_STATE,
     SliceOf,
     _temp_dir,
     adam_moments,
     gather_full,
     publish_dir,
+    publish_shared,
+    replicate_full,
     save,
     seal,
     write_safetensors,
 )
 from edge_node.model_io import SafetensorsReader
 from edge_node.optimizer import ADAM_MOMENTS, adam_state
-from edge_node.tp.lora import lora_parameters, merge_lora
+from edge_node.tp.comm import broadcast_bytes
+from edge_node.tp.lora import initial_factor, lora_parameters, merge_lora
 from xronos.contract.errors import XronosError
 from xronos.contract.lora import LoraOptions
 
 ADAPTER_STEM = "adapter_model"
-ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 """What peft's adapter files put before a parameter's name in the model (PeftModel's `base_model.model`)."""
 
@@ -48,6 +51,41 @@ def peft_key(name: str) -> str:
     """A factor's name in an adapter file: 'model.layers.0.mlp.up_proj.lora_A.weight' ->
     'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight'."""
     return PEFT_PREFIX + name
+
+
+PEFT_ADAPTER = ".default"
+"""The adapter name peft puts in a factor's module path (`...q_proj.lora_A.default.weight`)."""
+
+
+def peft_model(model: nn.Module, lora: LoraOptions) -> nn.Module:
+    """The whole model with peft's LoRA (`get_peft_model`): single mode's reference, its factors not yet
+    filled (`init_factors` or `load_adapter`)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets)
+    )
+    return get_peft_model(model, config)
+
+
+def factors(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The LoRA factors of a model by their names in the base model (`model.layers.0.mlp.up_proj.lora_A.weight`):
+    a shard `apply_lora` adapted, or a `peft_model` (its prefix and adapter name taken off)."""
+    if not hasattr(model, "peft_config"):
+        return lora_parameters(model)
+    out = {}
+    for name, param in model.named_parameters():
+        module_path, _, kind = name.rpartition(".")
+        if module_path.endswith(PEFT_ADAPTER) and ".lora_" in module_path:
+            out[f"{module_path.removeprefix(PEFT_PREFIX).removesuffix(PEFT_ADAPTER)}.{kind}"] = param
+    return out
+
+
+@torch.no_grad()
+def init_factors(model: nn.Module, seed: int) -> None:
+    """Fill the whole factors of a `peft_model` with `initial_factor`: what the ranks of a split hold slices of."""
+    for name, param in factors(model).items():
+        param.copy_(initial_factor(name, param.shape, seed))
 
 
 def write_adapter_config(directory: Path, lora: LoraOptions, base_model: str | os.PathLike) -> None:
@@ -78,6 +116,21 @@ def check_adapter(directory: Path, lora: LoraOptions) -> None:
         )
 
 
+def check_adapter_shapes(directory: Path, lora: LoraOptions, shapes: dict[str, torch.Size]) -> None:
+    """Raise a one-line XronosError unless the adapter in `directory` has this job's options and its factors
+    the shapes of this model's (`shapes`: `lora_shapes`): an adapter of another model is named before a
+    worker starts."""
+    check_adapter(directory, lora)
+    reader = SafetensorsReader(directory, stem=ADAPTER_STEM)
+    for name, shape in shapes.items():
+        theirs = reader.shape(peft_key(name))
+        if theirs != shape:
+            raise XronosError(
+                f"{directory}: {name} is {'x'.join(map(str, theirs or ['missing']))}, "
+                f"not {'x'.join(map(str, shape))}: an adapter of another model than --model"
+            )
+
+
 def load_adapter(
     model: nn.Module, directory: str | os.PathLike, lora: LoraOptions, slice_of: SliceOf, rank: int
 ) -> None:
@@ -86,7 +139,7 @@ def load_adapter(
     check_adapter(Path(directory), lora)
     reader = SafetensorsReader(directory, stem=ADAPTER_STEM)
     with torch.no_grad():
-        for name, param in lora_parameters(model).items():
+        for name, param in factors(model).items():
             param.copy_(reader.read(peft_key(name), slice_of(name, rank)))
 
 
@@ -100,7 +153,7 @@ def restore_adapter_optimizer(
 ) -> None:
     """AdamW moments of this rank's factor slices, from an adapter checkpoint (`save_adapter` with an optimizer)."""
     readers = [SafetensorsReader(directory, stem=key) for key in ADAM_MOMENTS]
-    for name, param in lora_parameters(model).items():
+    for name, param in factors(model).items():
         optimizer.state[param] = adam_state(step, [r.read(peft_key(name), slice_of(name, rank)) for r in readers])
 
 
@@ -115,13 +168,16 @@ def save_adapter(
     world: int,
     optimizer: torch.optim.Optimizer | None = None,
     trainer_state: dict | None = None,
+    replicate: bool = False,
 ) -> None:
-    """Collective: write the adapter of all ranks to `final` on rank 0, as peft writes it (`shapes`:
-    `lora_shapes`); with `optimizer` and `trainer_state`, an adapter-only checkpoint."""
-    params = lora_parameters(model)
-    tmp = _temp_dir(final) if rank == 0 else None
+    """Collective: write the adapter of all ranks to `final` as peft writes it (`shapes`: `lora_shapes`):
+    on rank 0, or with `replicate` on every rank, the same bytes (as `edge_node.checkpoint.save`);
+    with `optimizer` and `trainer_state`, an adapter-only checkpoint."""
+    params = factors(model)
+    tmp = _temp_dir(final, rank) if rank == 0 or replicate else None
     keyed = {peft_key(name): shape for name, shape in shapes.items()}
     digests: dict[str, dict] = {}
+    full = replicate_full if replicate else gather_full
 
     def write(stem: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         if tmp is None:
@@ -129,16 +185,22 @@ def save_adapter(
         else:
             digests.update(write_safetensors(tmp, stem, keyed, ((peft_key(n), t) for n, t in tensors)))
 
-    write(ADAPTER_STEM, gather_full(params, shapes, slice_of, rank, world))
+    write(ADAPTER_STEM, full(params, shapes, slice_of, rank, world))
     if optimizer is not None:
         for key in ADAM_MOMENTS:
-            write(key, gather_full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
-    if tmp is not None:  # rank 0
+            write(key, full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
+    state = json.dumps(trainer_state) if trainer_state is not None else None
+    if replicate and world > 1 and state is not None:  # its times differ by rank: rank 0's, everywhere
+        state = broadcast_bytes(state.encode() if rank == 0 else None).decode()
+    if tmp is not None:
         write_adapter_config(tmp, lora, base_model)
-        if trainer_state is not None:
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        if state is not None:
+            (tmp / TRAINER_STATE).write_text(state)
         seal(tmp, digests)
-        publish_dir(tmp, final)
+        if replicate:
+            publish_shared(tmp, final)
+        else:
+            publish_dir(tmp, final)
 
 
 def save_merged(

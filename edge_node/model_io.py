@@ -61,16 +61,23 @@ class SafetensorsReader:
         self.weight_map: dict[str, str] = weight_map
         self._files: dict[str, Any] = {}  # safetensors' safe_open handles
 
+    def _handle(self, name: str):
+        file = self.weight_map[name]
+        if file not in self._files:
+            self._files[file] = safe_open(self.dir / file, framework="pt")
+        return self._files[file].get_slice(name)
+
+    def shape(self, name: str) -> torch.Size | None:
+        """Tensor `name`'s shape, from the file's header (None: no such tensor)."""
+        return torch.Size(self._handle(name).get_shape()) if name in self.weight_map else None
+
     def read(self, name: str, part: Slice | None = None) -> torch.Tensor:
         """Tensor `name` (or just `part` of it) as float32, contiguous: a slice across columns comes
         as a strided view, and fused AdamW reads moments restored from it as laid out like their
         parameters (a strided moment silently took the wrong elements)."""
         if name not in self.weight_map:
             raise XronosError(f"checkpoint in {str(self.dir)!r} has no tensor {name!r}")
-        file = self.weight_map[name]
-        if file not in self._files:
-            self._files[file] = safe_open(self.dir / file, framework="pt")
-        handle = self._files[file].get_slice(name)
+        handle = self._handle(name)
         if part is None:
             tensor = handle[:]
         else:

@@ -40,6 +40,13 @@ def check_resume(job: JobOptions, dims: ModelDims) -> Path | None:
     if not job.resume:
         return None
     found = resume_point(Path(job.output), job)
+    if job.lora is not None:  # an adapter checkpoint: the base model is --model's, the factors must fit it
+        from edge_node.lora_io import check_adapter_shapes
+        from edge_node.model_io import full_param_shapes
+        from edge_node.tp.lora import lora_shapes
+
+        check_adapter_shapes(found, job.lora, lora_shapes(full_param_shapes(load_config(job.model)), job.lora))
+        return found
     theirs = ModelDims.from_config(load_config(found))
     if theirs != dims:
         differ = [

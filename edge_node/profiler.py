@@ -15,6 +15,12 @@ and at the same speed as the compute. About three seconds on a full core;
 cached per model shape, batch shape and device, for a day (a device's pace
 drifts with heat, background load and updates; `XRONOS_PROFILE_MAX_AGE`,
 in hours, changes that).
+
+A LoRA job is profiled with its LoRA applied (`_with_lora`): the base weights frozen (their
+backward computes input gradients alone), the target projections with factors, and the update
+over the factors; so what the backward costs without weight gradients is measured, and a LoRA
+profile has no weight-gradient products to move (its fractions are 0). Its cache key holds the
+LoRA options.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from edge_node.model_io import ATTN_IMPLEMENTATION
 from edge_node.optimizer import adamw
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
+from edge_node.tp.lora import LoraLinear
 from edge_node.tp.weight_grads import WeightGradQueue, linear_weight_grad_later, weight_grads_later
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
+from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import DeviceProfile, ProfileShape
 from xronos.contract.splits import ModelDims
 
@@ -105,8 +113,9 @@ def training_step(
     forward, params: list[torch.Tensor], parts: _Parts | None = None, weight_grads: WeightGradQueue | None = None
 ):
     """forward + backward + AdamW update of one component, in isolation (timed in `parts`); the
-    weight-gradient products its layers defer to `weight_grads` run after the backward."""
-    opt = adamw(params, lr=1e-6)
+    weight-gradient products its layers defer to `weight_grads` run after the backward. Without
+    `params` (a LoRA job's frozen norms or vocabulary), no update."""
+    opt = adamw(params, lr=1e-6) if params else None
     parts = parts or _Parts()
 
     def step():
@@ -118,8 +127,9 @@ def training_step(
         if weight_grads is not None:
             weight_grads.flush()
         t3 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         parts.backward += t2 - t1
         parts.later += t3 - t2
         parts.total += time.perf_counter() - t0
@@ -211,10 +221,28 @@ def _fresh(cache: Path, max_age_seconds: float) -> bool:
     return cache.is_file() and time.time() - cache.stat().st_mtime <= max_age_seconds
 
 
-def _cache_path(shape: ProfileShape, device: str, speed_hint: float | None) -> Path:
+def _cache_path(shape: ProfileShape, device: str, speed_hint: float | None, lora: LoraOptions | None = None) -> Path:
     root = Path(os.environ.get("XRONOS_PROFILE_CACHE", Path.home() / ".cache" / "xronos" / "profiles"))
-    key = json.dumps([shape.model_dump(), device, speed_hint, torch.__version__, PROFILER_VERSION], sort_keys=True)
+    parts: list = [shape.model_dump(), device, speed_hint, torch.__version__, PROFILER_VERSION]
+    parts += [lora.model_dump(mode="json")] if lora is not None else []  # a full fine-tuning key stays as it was
+    key = json.dumps(parts, sort_keys=True)
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+@torch.no_grad()
+def _with_lora(module: torch.nn.Module, names: tuple[str, ...], lora: LoraOptions) -> list[torch.Tensor]:
+    """Freeze `module` and give its projections `names` that `lora` targets factors (small random values:
+    uninitialised memory may hold denormals, which are slow); returns the factors, what the step updates."""
+    module.requires_grad_(False)
+    trained = []
+    for name in names:
+        if name in lora.targets:
+            adapted = LoraLinear(getattr(module, name), lora)
+            for factor in (adapted.lora_A.weight, adapted.lora_B.weight):
+                factor.copy_(torch.randn(factor.shape) * 0.01)
+                trained.append(factor)
+            setattr(module, name, adapted)
+    return trained
 
 
 def profile_device(
@@ -227,8 +255,10 @@ def profile_device(
     memory_bytes: int | None = None,
     address: str | None = None,
     use_cache: bool = True,
+    lora: LoraOptions | None = None,
 ) -> DeviceProfile:
-    """Measure this device at the job's shapes (or reuse a cached profile of the same shapes)."""
+    """Measure this device at the job's shapes (or reuse a cached profile of the same shapes), with
+    `lora` applied for a LoRA job."""
     dims = ModelDims.from_config(config)
     shape = ProfileShape(
         hidden_size=dims.hidden_size,
@@ -241,7 +271,7 @@ def profile_device(
         threads=threads,
     )
     memory = memory_bytes or available_memory_bytes()
-    cache = _cache_path(shape, device, speed_hint)
+    cache = _cache_path(shape, device, speed_hint, lora)
     if use_cache and _fresh(cache, _max_age_seconds()):
         cached = DeviceProfile.model_validate_json(cache.read_text())
         return cached.model_copy(update={"memory_bytes": memory, "address": address})
@@ -262,6 +292,7 @@ def profile_device(
     h = torch.randn(micro_batch, seq_len, dims.hidden_size, requires_grad=True)
     position_ids = torch.arange(seq_len).unsqueeze(0)
     runs = {}
+    trained = lora is None  # the vocabulary's embedding and head train (else frozen)
     tp = TPContext()  # no process group: the loss's all-reduces are no-ops; the deferred products queue here
     parts = {"attention-share": _Parts(), "mlp-share": _Parts(), "vocab-share": _Parts()}  # read at the share
     for size, (g, m, v) in {"share": (groups, mlp_blocks, vocab_blocks), "unit": (1, 1, 1)}.items():
@@ -271,38 +302,52 @@ def profile_device(
             config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
         )
         rope = model.model.rotary_emb(h, position_ids=position_ids)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # timed as a rank that defers them runs them
-            setattr(layer.self_attn, name, weight_grads_later(getattr(layer.self_attn, name), tp.weight_grads))
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+        if lora is not None:
+            attention_params, mlp_params = (
+                _with_lora(layer.self_attn, projections[0], lora),
+                _with_lora(layer.mlp, projections[1], lora),
+            )
+            layer.input_layernorm.requires_grad_(False)  # the norms are frozen too
+            layer.post_attention_layernorm.requires_grad_(False)
+        else:
+            for name in projections[0]:  # timed as a rank that defers them runs them
+                setattr(layer.self_attn, name, weight_grads_later(getattr(layer.self_attn, name), tp.weight_grads))
+            for name in projections[1]:  # as on a rank whose weight gradients come later
+                setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name), tp.weight_grads))
+            attention_params, mlp_params = list(layer.self_attn.parameters()), list(layer.mlp.parameters())
         runs[f"attention-{size}"] = training_step(
             lambda layer=layer, rope=rope, mask=mask: layer.self_attn(
                 hidden_states=h, position_embeddings=rope, attention_mask=mask
             )[0],
-            list(layer.self_attn.parameters()),
+            attention_params,
             parts.get(f"attention-{size}"),
             tp.weight_grads,
         )
-        for name in ("gate_proj", "up_proj", "down_proj"):  # as on a rank whose weight gradients come later
-            setattr(layer.mlp, name, weight_grads_later(getattr(layer.mlp, name), tp.weight_grads))
         runs[f"mlp-{size}"] = training_step(
-            lambda layer=layer: layer.mlp(h), list(layer.mlp.parameters()), parts.get(f"mlp-{size}"), tp.weight_grads
+            lambda layer=layer: layer.mlp(h), mlp_params, parts.get(f"mlp-{size}"), tp.weight_grads
         )
         # The vocabulary's share: embedding rows (their dense gradient and update too) and LM head rows,
         # whose weight-gradient product is timed apart (as a rank that computes it later runs it).
-        head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02)
-        embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone())
+        # With LoRA both are frozen: the head's backward computes the input's gradient alone.
+        head = torch.nn.Parameter(torch.randn(v * dims.vocab_block, dims.hidden_size) * 0.02, requires_grad=trained)
+        embed = head if dims.tie_word_embeddings else torch.nn.Parameter(head.detach().clone(), requires_grad=trained)
         ids = torch.randint(0, head.shape[0], (micro_batch, seq_len))
         runs[f"vocab-{size}"] = training_step(
             lambda head=head, embed=embed, ids=ids: causal_lm_loss(
-                linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None, tp.weight_grads),
+                linear_weight_grad_later(torch.nn.functional.embedding(ids, embed) + h, head, None, tp.weight_grads)
+                if trained
+                else torch.nn.functional.linear(torch.nn.functional.embedding(ids, embed) + h, head),
                 ids,
                 0,
                 tp,
             ),
-            list({id(p): p for p in (head, embed)}.values()),
+            list({id(p): p for p in (head, embed)}.values()) if trained else [],
             parts.get(f"vocab-{size}"),
             tp.weight_grads,
         )
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]  # the same in either size
+    norms = norms if lora is None else []  # frozen: the backward alone
     runs["norms"] = training_step(lambda: layer.post_attention_layernorm(layer.input_layernorm(h)) + h, norms)
     payload = micro_batch * seq_len * dims.hidden_size * 4
     with _Exchange(payload // 16) as small_exchange, _Exchange(payload) as large_exchange:

@@ -5,6 +5,13 @@ reference every tensor-parallel mode must match; otherwise the rank trains
 its shard with the vocabulary-parallel loss. Everything else (data order,
 AdamW, checkpoints, timing) is shared, so differences between modes are the
 parallelism alone.
+
+With `job.lora` the model is frozen and only LoRA factors train: a shard gets
+Xronos's sharded factors (`edge_node.tp.lora.apply_lora`), single mode gets
+peft's (`get_peft_model`, the reference again), both starting from the same
+`initial_factor`s. Checkpoints hold the adapter and its AdamW moments
+(`edge_node.lora_io`), the output the adapter as peft writes it, or with
+`job.merge` the merged model.
 """
 
 from __future__ import annotations
@@ -23,12 +30,22 @@ from safetensors.torch import load_file
 
 from edge_node import checkpoint
 from edge_node.data import batch_rows
+from edge_node.lora_io import (
+    factors,
+    init_factors,
+    load_adapter,
+    peft_model,
+    restore_adapter_optimizer,
+    save_adapter,
+    save_merged,
+)
 from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes, load_config, load_full, load_shard
 from edge_node.optimizer import ADAM_MOMENTS, adam_state, adam_step, adamw
 from edge_node.reshard import reshard_tensors
 from edge_node.tp.comm import broadcast_bytes, time_collectives
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
+from edge_node.tp.lora import apply_lora, init_lora, lora_shapes, lora_slice, sum_lora_grads
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
 from xronos.contract.assignment import RankAssignment
@@ -133,12 +150,17 @@ class Trainer:
         resume_from = Path(spec.resume_from) if spec.resume_from is not None else None
         if self.job.resume and resume_from is None:
             raise XronosError("--resume: the worker was given no checkpoint to resume from")
-        source = resume_from or Path(self.job.model)
+        self.lora = self.job.lora
+        # an adapter checkpoint holds the factors alone: the base weights are --model's
+        source = resume_from if resume_from is not None and self.lora is None else Path(self.job.model)
         config = load_config(source)
         self.dims = ModelDims.from_config(config)
         self.shapes = full_param_shapes(config)
+        self.factor_shapes = lora_shapes(self.shapes, self.lora) if self.lora is not None else {}
         self.config = config
         self.model = self.load_model(source, config)
+        if self.lora is not None:
+            self.model = self.adapt(self.model, resume_from)
         self.optimizer = self.make_optimizer()
         self.measure_from = 0
         self.reshards, self.replan_checks = 0, 0
@@ -199,13 +221,34 @@ class Trainer:
             return load_full(source)
         return self.enter_split(load_shard(source, self.split, self.rank, self.tp))
 
+    def adapt(self, model, adapter: Path | None):
+        """LoRA: `model` frozen, with the job's factors: the adapter checkpoint's (resuming), or the initial
+        ones (`initial_factor`, seeded by the job: the same for every split and for single mode)."""
+        assert self.lora is not None
+        model = apply_lora(model, self.lora) if self.tensor_parallel else peft_model(model, self.lora)
+        if adapter is not None:
+            load_adapter(model, adapter, self.lora, self.slice_of, self.rank)
+        elif self.tensor_parallel:
+            init_lora(model, self.factor_shapes, self.split, self.rank, self.dims, self.job.seed)
+        else:
+            init_factors(model, self.job.seed)
+        return model
+
+    def trained(self) -> dict:
+        """The parameters the optimizer steps, by name: all of them, or with LoRA the factors alone."""
+        return factors(self.model) if self.lora is not None else dict(self.model.named_parameters())
+
     def enter_split(self, model):
         """What this rank keeps of its split beside the model (its first vocabulary row); returns the model."""
         self.vocab_start = self.split.interval("vocab_rows", self.rank)[0]
         return model
 
     def slice_of(self, name: str, rank: int):
-        return param_slice(name, self.split, rank, self.dims) if self.tensor_parallel else None
+        return self.slice_in(self.split, name, rank) if self.tensor_parallel else None
+
+    def slice_in(self, split: ShardSplit, name: str, rank: int):
+        """`rank`'s slice of parameter or factor `name` under `split`."""
+        return (param_slice if self.lora is None else lora_slice)(name, split, rank, self.dims)
 
     def checkpoint_key(self, name: str) -> str:
         """The name a local parameter's full tensor has in a checkpoint."""
@@ -232,7 +275,9 @@ class Trainer:
             loss.backward()
             self.tp.weight_grads.flush()
             total += loss.item()
-        if self.tensor_parallel:
+        if self.tensor_parallel and self.lora is not None:
+            sum_lora_grads(self.model, self.split, self.rank, self.factor_shapes, self.dims, self.tp)
+        elif self.tensor_parallel:
             sum_shared_grads(self.model, self.split, self.rank, self.shapes, self.dims, self.tp)
         self.optimizer.step()
         return total
@@ -406,6 +451,7 @@ class Trainer:
                     self.job.batch_size // self.job.grad_accum,
                     self.job.seq_len,
                     self.min_replan_gain(sum(self.step_seconds[k] for k in timed) / len(timed)),
+                    lora=self.lora,
                 )
             )
         new_split, calibrated, predicted, gain = as_json.validate_json(broadcast_bytes(decision))
@@ -444,29 +490,51 @@ class Trainer:
 
     def reshard(self, new_split: ShardSplit) -> None:
         """Move every rank to `new_split` in memory (`edge_node.reshard`): parameters and AdamW
-        moments, each rank receiving only the slices that change hands."""
+        moments, each rank receiving only the slices that change hands. With LoRA, the frozen base
+        weights move alone and the factors with their moments."""
         self.reshards += 1
         self.measure_from = len(self.step_seconds) + WARMUP_STEPS  # after a re-shard the steps warm up again
         step = adam_step(self.optimizer)
-        params = dict(self.model.named_parameters())
-        moments = [checkpoint.adam_moments(self.optimizer, params, key) for key in ADAM_MOMENTS]
-        held = {name: [p, *(m[name] for m in moments)] for name, p in params.items()}
+        params, trained = dict(self.model.named_parameters()), self.trained()
+        moments = [checkpoint.adam_moments(self.optimizer, trained, key) for key in ADAM_MOMENTS]
+        held = {name: [p, *(m[name] for m in moments)] for name, p in trained.items()}
         old_split = self.split
-        old_slice_of = lambda name, rank: param_slice(name, old_split, rank, self.dims)  # noqa: E731
+        old_slice_of = lambda name, rank: self.slice_in(old_split, name, rank)  # noqa: E731
         self.assignment = self.assignment.model_copy(update={"split": new_split})
-        moved = reshard_tensors(held, self.shapes, old_slice_of, self.slice_of, self.rank, self.world)
-        del held, params, moments
-        self.model = self.enter_split(empty_shard(self.config, new_split, self.rank, self.tp))
+        shapes = self.factor_shapes if self.lora is not None else self.shapes
+        moved = reshard_tensors(held, shapes, old_slice_of, self.slice_of, self.rank, self.world)
+        if self.lora is not None:
+            frozen = {name: [p] for name, p in params.items() if name not in trained}
+            moved |= reshard_tensors(frozen, self.shapes, old_slice_of, self.slice_of, self.rank, self.world)
+        del held, params, trained, moments
+        model = self.enter_split(empty_shard(self.config, new_split, self.rank, self.tp))
+        self.model = apply_lora(model, self.lora) if self.lora is not None else model
         self.optimizer = self.make_optimizer()
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 value, *state = moved[name]
                 param.copy_(value)
-                self.optimizer.state[param] = adam_state(step, state)
+                if param.requires_grad:
+                    self.optimizer.state[param] = adam_state(step, state)
         self.model.train()
 
     # -- checkpoints --------------------------------------------------------
     def _save(self, final: Path, with_optimizer: bool, state: dict | None, replicate: bool = False) -> None:
+        if self.lora is not None:  # the adapter alone, as peft writes it (with its moments: a checkpoint)
+            save_adapter(
+                final,
+                self.model,
+                self.lora,
+                self.job.model,
+                self.factor_shapes,
+                self.slice_of,
+                self.rank,
+                self.world,
+                optimizer=self.optimizer if with_optimizer else None,
+                trainer_state=state,
+                replicate=replicate,
+            )
+            return
         checkpoint.save(
             final,
             Path(self.job.model),
@@ -489,22 +557,34 @@ class Trainer:
             "adam_step": adam_step(self.optimizer),
             "losses": self.losses,
             "replans": [c.model_dump() for c in self.replans],
+            "lora": self.lora.model_dump(mode="json") if self.lora is not None else None,
         }
         self._save(checkpoint.checkpoint_dir(self.output, step), True, state, self.spec.replicate_checkpoints)
         if self.rank == 0 or self.spec.replicate_checkpoints:
             checkpoint.prune_checkpoints(self.output, KEEP_CHECKPOINTS)
 
     def save_final(self) -> None:
-        """The fine-tuned model in HF format, directly in `output` (beside `checkpoints/`)."""
-        self._save(self.output / ".final", False, None)
+        """The fine-tuned model in HF format, directly in `output` (beside `checkpoints/`); with LoRA the
+        adapter as peft writes it, or with `merge` the model with the adapter merged in."""
+        if self.job.merge:
+            model = self.model.merge_and_unload() if not self.tensor_parallel else self.model
+            save_merged(
+                self.output / ".final", Path(self.job.model), model, self.shapes, self.slice_of, self.rank, self.world
+            )
+        else:
+            self._save(self.output / ".final", False, None)
         if self.rank == 0:
             checkpoint.promote_files(self.output / ".final", self.output)
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        return adamw(self.model.parameters(), self.job.lr)
+        params = self.model.parameters() if self.lora is None else self.trained().values()
+        return adamw(params, self.job.lr)
 
     def restore_optimizer(self, directory: Path, step: float) -> None:
         """AdamW moments for this rank's slices, from a checkpoint's full tensors."""
+        if self.lora is not None:
+            restore_adapter_optimizer(self.optimizer, self.model, directory, self.slice_of, self.rank, step)
+            return
         readers = [SafetensorsReader(directory, stem=key) for key in ADAM_MOMENTS]
         for name, param in self.model.named_parameters():
             part = self.slice_of(name, self.rank)

@@ -31,6 +31,7 @@ def import_before_quota(spec: WorkerSpec) -> None:
     modules = ["edge_node.profiler"]
     modules += ["edge_node.pipeline"] if spec.job.mode == "pp" else []
     modules += ["xronos.planner.replan"] if spec.job.mode == "xronos" else []
+    modules += ["peft"] if spec.job.lora is not None and spec.job.mode == "single" else []  # single mode's LoRA
     for module in modules:
         importlib.import_module(module)
 
@@ -49,6 +50,7 @@ def profile_and_wait(spec: WorkerSpec) -> WorkerSpec | None:
         device=spec.name or f"device-{spec.device}",
         speed_hint=spec.speed_hint,
         memory_bytes=spec.memory_bytes,
+        lora=job.lora,
     )
     if spec.profile_file is None:
         raise XronosError("a worker without an assignment needs a profile_file to hand its profile to")

@@ -109,6 +109,8 @@ RUN_OPTIONS = {
     "--nodes": (1, 256, True),
     "--threads": (1, 1024, True),
     "--metrics-port": (0, 65535, True),
+    "--lora": (1, 4096, True),
+    "--lora-alpha": (1, 2**20, True),
 }
 
 
@@ -185,6 +187,16 @@ def test_the_named_cases_each_get_their_own_reason(setup, tmp_path, data_file):
         ),
         "split in single mode": (base + ["--mode", "single", "--split", "kv=8"], "--split is for modes"),
         "metrics ports past 65535": (base + ["--nodes", "3", "--metrics-port", "65534"], "leaves no port"),
+        "--merge without --lora": (base + ["--merge"], "--merge needs --lora"),
+        "--lora-alpha without --lora": (base + ["--lora-alpha", "8"], "--lora-alpha needs --lora R"),
+        "--lora in mode pp": (base + ["--lora", "4", "--mode", "pp"], "--lora is not supported in mode pp"),
+        "--lora in bench mode pp": (
+            ["bench", *base[1:], "--lora", "4", "--modes", "xronos,pp"],
+            "--lora is not supported in mode pp",
+        ),
+        "unknown LoRA target": (base + ["--lora", "4", "--lora-targets", "q_proj,lm_head"], "unknown projection"),
+        "LoRA target twice": (base + ["--lora", "4", "--lora-targets", "q_proj,q_proj"], "named twice"),
+        "--lora-dropout 1": (base + ["--lora", "4", "--lora-dropout", "1"], "--lora-dropout: expected a fraction"),
     }
     for name, (argv, expected) in cases.items():
         message = assert_one_line_error(*run(argv), argv)

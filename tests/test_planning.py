@@ -133,3 +133,28 @@ def test_parameter_count_is_the_models():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         assert parameter_count(ModelDims.from_config(config)) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("targets", [None, ("q_proj", "v_proj"), ("o_proj", "down_proj", "up_proj")])
+def test_a_lora_checkpoint_counts_the_factors_peft_trains(targets):
+    """The checkpoint interval of a LoRA job is sized by its adapter, as many parameters as peft trains."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from xronos.contract.lora import LoraOptions
+    from xronos.planner.checkpoint_plan import trained_count
+
+    config = LlamaConfig(
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        vocab_size=320,
+        tie_word_embeddings=True,
+    )
+    lora = LoraOptions(r=4) if targets is None else LoraOptions(r=4, targets=targets)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=list(lora.targets)))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dims = ModelDims.from_config(config)
+    assert trained_count(dims, lora) == trained < trained_count(dims)

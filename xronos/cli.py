@@ -112,6 +112,18 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _lora_targets(text: str) -> tuple[str, ...]:
+    from xronos.contract.lora import LORA_TARGETS
+
+    targets = tuple(t.strip() for t in text.split(","))
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown projection {unknown[0]!r} (choose from {','.join(LORA_TARGETS)})")
+    if len(set(targets)) != len(targets):
+        raise argparse.ArgumentTypeError(f"a projection is named twice in {text!r}")
+    return targets
+
+
 def _split(text: str) -> dict[str, list]:
     try:
         return parse_split(text)
@@ -163,6 +175,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="tp and xronos modes: all-reduce by gloo's ring, through a hub (the device with the "
         "cheapest exchange), or auto: time both on the job's devices first and keep the faster",
     )
+    _add_lora_options(p)
     p.add_argument(
         "--collective-timeout",
         type=_real(limits.MIN_COLLECTIVE_TIMEOUT, limits.MAX_COLLECTIVE_TIMEOUT, low_open=False),
@@ -170,6 +183,44 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="seconds a device waits for its peers in one collective before failing the job (a peer frozen "
         "or unplugged); must cover the slowest device's model load and rank 0's checkpoint writes",
     )
+
+
+def _add_lora_options(p: argparse.ArgumentParser) -> None:
+    from xronos.contract.lora import LORA_TARGETS, MAX_LORA_R
+
+    g = p.add_argument_group("LoRA (train low-rank adapters, the model frozen: a fraction of the memory)")
+    g.add_argument("--lora", type=_whole(1, MAX_LORA_R), metavar="R", help="train LoRA adapters of rank R")
+    g.add_argument(
+        "--lora-alpha", type=_whole(1, 1 << 20), metavar="ALPHA", help="scale the adapters by ALPHA / R (default R)"
+    )
+    g.add_argument(
+        "--lora-dropout", type=_fraction, default=0.0, metavar="P", help="dropout on the adapters' input (default 0)"
+    )
+    g.add_argument(
+        "--lora-targets",
+        type=_lora_targets,
+        metavar="LIST",
+        help=f"comma-separated projections to adapt (default: all of {','.join(LORA_TARGETS)})",
+    )
+    g.add_argument(
+        "--merge",
+        action="store_true",
+        help="write the model with the adapters merged in (plain transformers loads it) instead of the adapter",
+    )
+
+
+def _lora_from_args(args):
+    """The job's LoraOptions (None without --lora); a LoRA option without --lora is a mistake."""
+    from xronos.contract.lora import LoraOptions
+
+    if args.lora is None:
+        given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets)) if v]
+        given += ["--lora-dropout"] if args.lora_dropout else []
+        if given:
+            raise XronosError(f"{given[0]} needs --lora R (the adapters' rank)")
+        return None
+    extra = {"targets": args.lora_targets} if args.lora_targets else {}
+    return LoraOptions(r=args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout, **extra)
 
 
 def _job_from_args(args):
@@ -193,6 +244,8 @@ def _job_from_args(args):
         replan_after=args.replan_after,
         collective=args.collective,
         collective_timeout=args.collective_timeout,
+        lora=_lora_from_args(args),
+        merge=args.merge,
     )
 
 
@@ -345,6 +398,8 @@ def cmd_bench(args) -> int:
     if unknown:
         raise XronosError(f"unknown mode {unknown[0]!r} in --modes (choose from {', '.join(MODES)})")
     speeds = args.speeds or [1.0] * args.nodes
+    if args.lora is not None and "pp" in modes:
+        raise XronosError("--lora is not supported in mode pp: leave pp out of --modes")
     args.mode = modes[0]
     _check_cluster_args(args, speeds)
     base = _job_from_args(args)
@@ -392,7 +447,9 @@ def cmd_import_gguf(args) -> int:
 def cmd_demo(args) -> int:
     from xronos.demo import run_demo
 
-    return run_demo(workdir=args.workdir, steps=args.steps, speeds=args.speeds, metrics_port=args.metrics_port)
+    return run_demo(
+        workdir=args.workdir, steps=args.steps, speeds=args.speeds, metrics_port=args.metrics_port, lora=args.lora
+    )
 
 
 BROKER_FLAGS = ("broker", "username", "password_file", "ca_file", "cert_file", "key_file")
@@ -728,6 +785,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", help="where to put the model, data and outputs (default: a temporary directory)")
     demo.add_argument("--steps", type=_whole(1, limits.MAX_STEPS), default=8)
     demo.add_argument("--speeds", type=_speeds, default=[1.0, 0.5, 0.25])
+    demo.add_argument(
+        "--lora", type=_whole(1, 64), metavar="R", help="train LoRA adapters of rank R instead of every weight"
+    )
     demo.add_argument(
         "--metrics-port",
         type=_port,

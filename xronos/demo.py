@@ -28,6 +28,7 @@ from xronos.broker import EmbeddedBroker
 from xronos.contract import wire
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
+from xronos.contract.lora import LoraOptions
 from xronos.contract.mqtt import BrokerSettings
 from xronos.operator import submit
 from xronos.summary import print_report, print_side_by_side
@@ -104,8 +105,13 @@ def metrics_ports(first: int, count: int) -> list[int]:
 
 
 def run_demo(
-    workdir: str | None = None, steps: int = 8, speeds: list[float] | None = None, metrics_port: int = 9100
+    workdir: str | None = None,
+    steps: int = 8,
+    speeds: list[float] | None = None,
+    metrics_port: int = 9100,
+    lora: int | None = None,
 ) -> int:
+    """The demo's two jobs (even TP, then xronos); with `lora`, both train LoRA adapters of that rank."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -157,6 +163,7 @@ def run_demo(
                     seq_len=SEQ_LEN,
                     lr=1e-3,
                     shuffle=False,
+                    lora=LoraOptions(r=lora) if lora is not None else None,
                 )
                 command = wire.TrainCommand(job_id=f"demo-{mode}-{int(time.time())}", job=job, nodes=node_ids)
                 print(f"\ndemo: publishing xronos/cmd/train for job {command.job_id} (mode {mode})", flush=True)

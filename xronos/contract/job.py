@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from xronos.contract.lora import LoraOptions
+
 Mode = Literal["single", "tp", "xronos", "pp"]
 Collective = Literal["auto", "ring", "hub"]
 MODES: tuple[str, ...] = ("single", "tp", "xronos", "pp")
@@ -114,8 +116,24 @@ class JobOptions(BaseModel):
         "model while the others wait.",
     )
 
+    lora: LoraOptions | None = Field(
+        None,
+        description="Train LoRA adapters instead of every weight: the base model stays frozen (no gradients, no "
+        "optimizer state), checkpoints hold the adapter and its AdamW moments, and `output` receives the "
+        "adapter as peft writes it (None: full fine-tuning). Not in mode pp.",
+    )
+    merge: bool = Field(
+        False,
+        description="With `lora`: write the base model with the trained adapter merged into it to `output` "
+        "(a plain Hugging Face model) instead of the adapter.",
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> JobOptions:
+        if self.merge and self.lora is None:
+            raise ValueError("--merge needs --lora (it merges the trained adapter into the model)")
+        if self.lora is not None and self.mode == "pp":
+            raise ValueError("--lora is not supported in mode pp: use mode xronos, tp or single")
         if self.resume_step is not None and not self.resume:
             raise ValueError(f"resume_step {self.resume_step} needs resume (it names the checkpoint to resume from)")
         if self.resume_step is not None and self.resume_step >= self.steps:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 
 from xronos.contract.job import MAX_EVERY, JobOptions
+from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.splits import ModelDims
+from xronos.planner.cost_model import lora_factor_params
 from xronos.planner.job_plan import JobPlan
 
 CHECKPOINT_SHARE = 0.05
@@ -42,10 +44,21 @@ def parameter_count(dims: ModelDims) -> int:
     return dims.num_layers * layer + embeddings + h  # + the final norm
 
 
-def checkpoint_seconds(dims: ModelDims, world_size: int, profiles: list[DeviceProfile] | None = None) -> float:
+def trained_count(dims: ModelDims, lora: LoraOptions | None = None) -> int:
+    """Parameters a checkpoint holds: the whole model's, or with LoRA only the adapter's factors (the
+    frozen base is the `--model` every node has)."""
+    if lora is None:
+        return parameter_count(dims)
+    replicated, per_group, per_block = lora_factor_params(dims, lora)
+    return replicated + per_group * dims.num_kv_heads + per_block * (dims.intermediate_size // dims.mlp_block)
+
+
+def checkpoint_seconds(
+    dims: ModelDims, world_size: int, profiles: list[DeviceProfile] | None = None, lora: LoraOptions | None = None
+) -> float:
     """Estimated seconds of one replicated checkpoint: its bytes moved twice over the slowest link
     (gathered to rank 0, broadcast to all; not at all on one device), written to disk, and the fixed cost."""
-    nbytes = parameter_count(dims) * 4 * CHECKPOINT_TENSORS
+    nbytes = trained_count(dims, lora) * 4 * CHECKPOINT_TENSORS
     per_byte = 1 / NETWORK_BYTES_PER_SECOND
     if profiles:
         per_byte = max(per_byte, max(p.allreduce_seconds_per_mib for p in profiles) / 2**20)
@@ -67,6 +80,6 @@ def checkpoint_interval(
     step = plan.predicted_step_seconds
     if step is None or step <= 0:
         return max(1, job.steps // 2)
-    cost = checkpoint_seconds(dims, plan.world_size, profiles if profiles is not None else plan.profiles)
+    cost = checkpoint_seconds(dims, plan.world_size, profiles if profiles is not None else plan.profiles, job.lora)
     steps = cost / (CHECKPOINT_SHARE * step)
     return MAX_EVERY if steps >= MAX_EVERY else max(1, math.ceil(steps))

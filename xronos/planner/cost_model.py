@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import (
     DeviceProfile,
     attention_backward_seconds,
@@ -23,6 +24,9 @@ from xronos.contract.splits import ModelDims, ShardSplit
 
 BYTES_PER_PARAM = 16
 """float32 parameter + gradient + two AdamW moments."""
+FROZEN_BYTES_PER_PARAM = 4
+"""A LoRA job's base weights: the float32 parameter alone (no gradient, no AdamW state); its factors
+cost BYTES_PER_PARAM."""
 RUNTIME_BYTES = 400 * 2**20
 """Python, torch and transformers loaded: what a worker uses before any tensor."""
 
@@ -137,13 +141,32 @@ def split_step_seconds(profiles: list[DeviceProfile], dims: ModelDims, split: Sh
     )
 
 
-def unit_bytes(dims: ModelDims, micro_batch: int, seq_len: int) -> tuple[float, float, float, float]:
+def lora_factor_params(dims: ModelDims, lora: LoraOptions) -> tuple[int, int, int]:
+    """A LoRA job's factor elements (replicated on every rank, per KV group, per MLP block), all layers:
+    a column-parallel projection's A and a row-parallel one's B are replicated, the other factor split
+    with its base weight (`edge_node.tp.lora`)."""
+    h, hd, hpg, r = dims.hidden_size, dims.head_dim, dims.heads_per_group, lora.r
+    targets = set(lora.targets)
+    rows = {"q_proj": hpg * hd, "k_proj": hd, "v_proj": hd, "o_proj": hpg * hd}
+    per_group = sum(n * r for t, n in rows.items() if t in targets)
+    per_block = sum(dims.mlp_block * r for t in ("gate_proj", "up_proj", "down_proj") if t in targets)
+    return dims.num_layers * len(targets) * r * h, dims.num_layers * per_group, dims.num_layers * per_block
+
+
+def unit_bytes(
+    dims: ModelDims, micro_batch: int, seq_len: int, lora: LoraOptions | None = None
+) -> tuple[float, float, float, float]:
     """(fixed, per KV group, per MLP block, per vocabulary block) bytes: parameters with their
-    gradients and AdamW moments, plus the activations autograd keeps for the backward."""
+    gradients and AdamW moments, plus the activations autograd keeps for the backward. With `lora`,
+    the base parameters alone (FROZEN_BYTES_PER_PARAM) and the factors with their gradients and
+    moments (BYTES_PER_PARAM); the activations are priced as for full fine-tuning (the backward still
+    runs through every layer), which slightly over-counts (inputs kept only for weight gradients)."""
     h, hd, hpg, layers = dims.hidden_size, dims.head_dim, dims.heads_per_group, dims.num_layers
     tokens = micro_batch * seq_len
     norms = (2 * layers + 1) * h
-    fixed = RUNTIME_BYTES + BYTES_PER_PARAM * norms + 4 * tokens * h * (6 * layers + 4)
+    per_param = BYTES_PER_PARAM if lora is None else FROZEN_BYTES_PER_PARAM
+    replicated, per_group, per_block = lora_factor_params(dims, lora) if lora is not None else (0, 0, 0)
+    fixed = RUNTIME_BYTES + per_param * norms + BYTES_PER_PARAM * replicated + 4 * tokens * h * (6 * layers + 4)
     kv_params = layers * (2 * hpg * hd * h + 2 * hd * h)
     kv_acts = layers * 4 * (tokens * (hpg + 2) * hd * 3 + micro_batch * hpg * seq_len * seq_len)
     mlp_params = layers * 3 * h * dims.mlp_block
@@ -153,9 +176,9 @@ def unit_bytes(dims: ModelDims, micro_batch: int, seq_len: int) -> tuple[float, 
     vocab_acts = 4 * tokens * dims.vocab_block * 3
     return (
         fixed,
-        BYTES_PER_PARAM * kv_params + kv_acts,
-        BYTES_PER_PARAM * mlp_params + mlp_acts,
-        BYTES_PER_PARAM * vocab_params + vocab_acts,
+        per_param * kv_params + BYTES_PER_PARAM * per_group + kv_acts,
+        per_param * mlp_params + BYTES_PER_PARAM * per_block + mlp_acts,
+        per_param * vocab_params + vocab_acts,
     )
 
 

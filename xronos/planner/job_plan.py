@@ -83,7 +83,7 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
             predicted_step_seconds=plan.predicted_step_seconds,
         )
     if job.mode == "xronos":
-        partition = plan_partition(profiles, dims, micro_batch, job.seq_len)
+        partition = plan_partition(profiles, dims, micro_batch, job.seq_len, lora=job.lora)
         ranks = [d.rank for d in partition.devices]
         members = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
         return JobPlan(

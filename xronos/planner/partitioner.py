@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from xronos.contract.errors import XronosError
+from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import DeviceProfile, Segment, attention_kept, unit_costs
 from xronos.contract.report import idle_seconds, mean_idle_ratio
 from xronos.contract.splits import ModelDims, ShardSplit
@@ -79,7 +80,7 @@ PLAN_BUDGET_SECONDS = 3.0
 """When memory binds for many devices, stop trying further participant sets after this long."""
 
 
-def solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], relax: bool = False):
+def solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], relax: bool = False, lora=None):
     """The same problem for a fixed participant set, with each device's memory limit, by HiGHS.
 
     Only needed when the water-filled split does not fit; returns (step, collectives, g, m, v,
@@ -92,7 +93,7 @@ def solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], 
     k, layers = len(members), dims.num_layers
     units = dim_units(dims)
     costs = [unit_costs(profiles[i]) for i in members]
-    fixed_b, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len)
+    fixed_b, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len, lora)
     # variables: g[0..k) m[k..2k) v[2k..3k), whether each is > 0: [3k..6k), then Ta Tm Tv
     T = [6 * k, 6 * k + 1, 6 * k + 2]
     n_vars = 6 * k + 3
@@ -235,8 +236,8 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
     return [list(m) for m in found]
 
 
-def fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v) -> bool:
-    fixed, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len)
+def fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v, lora=None) -> bool:
+    fixed, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len, lora)
     return all(
         fixed + g[k][0] * kv_b + m[k] * mlp_b + v[k] * vocab_b <= profiles[i].memory_bytes
         for k, i in enumerate(members)
@@ -244,14 +245,21 @@ def fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v) -> bool:
 
 
 def plan_partition(
-    profiles: list[DeviceProfile], dims: ModelDims, micro_batch: int, seq_len: int, tolerance: float = IDLE_TOLERANCE
+    profiles: list[DeviceProfile],
+    dims: ModelDims,
+    micro_batch: int,
+    seq_len: int,
+    tolerance: float = IDLE_TOLERANCE,
+    lora: LoraOptions | None = None,
 ) -> Plan:
     """The exact min-step plan over all devices (some may be left out, with a reason), or with
     `tolerance` its least idle attention layout within that of the shortest (`least_idle`).
 
     Each candidate participant set is solved exactly by water-filling each segment; when
     that split does not fit some device's memory, the set is solved by HiGHS with the
-    memory constraints instead.
+    memory constraints instead. A `lora` job's memory is its frozen base weights and its factors
+    (`unit_bytes`), and its split computes no weight gradient later: a frozen weight has none (its
+    profiles, measured with LoRA applied, price none either).
     """
     if not profiles:
         raise XronosError("no device profiles to plan with")
@@ -274,14 +282,14 @@ def plan_partition(
         step, coll, g, m, v, later = solve_members(profiles, dims, members, micro_batch, tolerance=tolerance)
         if best is not None and step >= best[0] - 1e-12:
             continue
-        if not fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v):
+        if not fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v, lora):
             if best is not None and time.perf_counter() - started > PLAN_BUDGET_SECONDS:
                 optimal = False  # sets left untried
                 break
-            bound = solve_with_memory(profiles, dims, micro_batch, seq_len, members, relax=True)
+            bound = solve_with_memory(profiles, dims, micro_batch, seq_len, members, relax=True, lora=lora)
             if bound is None or (best is not None and bound[0] >= best[0] - 1e-12):
                 continue  # cannot hold the model, or cannot beat the best even fractionally
-            solved = solve_with_memory(profiles, dims, micro_batch, seq_len, members)
+            solved = solve_with_memory(profiles, dims, micro_batch, seq_len, members, lora=lora)
             if solved is None:
                 continue  # these devices cannot hold the model together
             step, coll, g, m, v, later, proven = solved
@@ -291,6 +299,7 @@ def plan_partition(
     if best is None:
         raise XronosError("no device, nor any group of devices, has the memory for this model at these shapes")
     step, coll, members, g, m, v, later = best
+    later = later if lora is None else None
     full = lambda part, none=0: [part[members.index(i)] if i in members else none for i in range(n)]  # noqa: E731
     y = [1 if i in members else 0 for i in range(n)]
     plan = _explain(
@@ -306,11 +315,12 @@ def plan_partition(
         Later(full(later.mlp, False), full(later.attention, False), full(later.vocab) if later.vocab else None)
         if later
         else None,
+        lora,
     )
     return plan if optimal else plan.model_copy(update={"optimal": False})
 
 
-def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None) -> Plan:
+def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None, lora=None) -> Plan:
     members = [i for i in range(len(profiles)) if y[i]]
     split = to_split(
         dims,
@@ -319,7 +329,7 @@ def _explain(profiles, dims, micro_batch, seq_len, g, m, v, y, coll, later=None)
         [v[i] for i in members],
         later.select(members) if later else None,
     )
-    fixed_bytes, kv_bytes, mlp_bytes, vocab_bytes = unit_bytes(dims, micro_batch, seq_len)
+    fixed_bytes, kv_bytes, mlp_bytes, vocab_bytes = unit_bytes(dims, micro_batch, seq_len, lora)
     devices, shares = [], split.shares()
     for i, p in enumerate(profiles):
         if i not in members:

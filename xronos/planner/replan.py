@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile
 from xronos.contract.splits import ModelDims, ShardSplit
 from xronos.planner.cost_model import (
@@ -182,6 +183,7 @@ def replan(
     seq_len: int,
     min_gain: float = MIN_REPLAN_GAIN,
     tolerance: float = IDLE_TOLERANCE,
+    lora: LoraOptions | None = None,
 ) -> Replan:
     """A new split for the same ranks from measured compute seconds per micro-step (rank order),
     the profiles recalibrated towards the measurement (the next re-plan starts from them,
@@ -200,8 +202,10 @@ def replan(
     ]
     members = list(range(len(profiles)))
     step, coll, g, m, v, later = solve_members(calibrated, dims, members, micro_batch, tolerance=tolerance)
-    if not fits_memory(calibrated, dims, micro_batch, seq_len, members, g, m, v):
-        solved = solve_with_memory(calibrated, dims, micro_batch, seq_len, members)
+    if lora is not None:  # a frozen weight has no gradient to compute later (`plan_partition`)
+        later = None
+    if not fits_memory(calibrated, dims, micro_batch, seq_len, members, g, m, v, lora):
+        solved = solve_with_memory(calibrated, dims, micro_batch, seq_len, members, lora=lora)
         if solved is None:
             return Replan(split, profiles, predictions, 0.0)
         step, _, g, m, v, later, _ = solved
