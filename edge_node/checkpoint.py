@@ -495,7 +495,7 @@ def _training_of(lora: LoraOptions | dict | None) -> str:
     lora = LoraOptions.model_validate(lora)
     return (
         f"with --lora {lora.r} (--lora-alpha {lora.lora_alpha}, --lora-dropout {lora.dropout:g}, "
-        f"--lora-targets {','.join(lora.targets)})"
+        f"--lora-targets {','.join(lora.targets)}, --lora-base-dtype {lora.base_dtype})"
     )
 
 

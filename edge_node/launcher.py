@@ -98,18 +98,22 @@ def run_local(
     threads: int = 1,
     show_progress: bool = True,
     metrics_port: int | None = None,
+    memory_caps: list[float] | None = None,
 ) -> RunReport:
     """Run `job` on `nodes` local workers (one for `single`) and return its report.
 
     Mode `xronos` without an explicit split profiles every worker under its quota
     first, then plans with the exact partitioner; the others split by rule.
     With `metrics_port`, device d serves its node metrics (node `device-d`) on
-    `metrics_port + d` while the run lasts, as a node agent would.
+    `metrics_port + d` while the run lasts, as a node agent would. `memory_caps` (GiB per device)
+    is the memory each device's profile reports to the planner (default: the free memory, shared).
     """
     if speeds is not None and len(speeds) != nodes:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {nodes}")
     if speeds is not None and any(s <= 0 for s in speeds):
         raise XronosError(f"speeds must be positive, got {speeds}")
+    if memory_caps is not None and len(memory_caps) != nodes:
+        raise XronosError(f"--memory lists {len(memory_caps)} caps for --nodes {nodes}")
     dims, rows, resume_from = job_inputs(job)  # every mistake in the model, data or --resume, before a worker starts
     split_override = dict(split_override or {})
     layer_counts = split_override.pop("layers", None)
@@ -136,7 +140,8 @@ def run_local(
                     _MetricsFeed(f"device-{d}", f"run-{run_id}", run_dir / f"progress-{d}.jsonl", metrics_port + d)
                 )
         port = free_port()
-        memory = available_memory_bytes() // n_workers
+        shared = available_memory_bytes() // n_workers
+        memory = [int(c * 2**30) for c in memory_caps] if memory_caps is not None else [shared] * n_workers
         quotas_of = [s for s in device_speeds if s is not None]
         throttled = len(quotas_of) == n_workers
         cpus = pack_cores(quotas_of, len(os.sched_getaffinity(0))) if throttled else None
@@ -145,7 +150,7 @@ def run_local(
                 job=job,
                 device=device,
                 speed_hint=device_speeds[device],
-                memory_bytes=memory,
+                memory_bytes=memory[device],
                 assignment=None
                 if profiled
                 else RankAssignment(

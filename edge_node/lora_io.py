@@ -38,6 +38,7 @@ from edge_node.checkpoint import (
 from edge_node.model_io import SafetensorsReader
 from edge_node.optimizer import ADAM_MOMENTS, adam_state
 from edge_node.tp.comm import broadcast_bytes
+from edge_node.tp.frozen import DTYPES, hold_matrices
 from edge_node.tp.lora import initial_factor, lora_parameters, merge_lora
 from xronos.contract.errors import XronosError
 from xronos.contract.lora import LoraOptions
@@ -59,13 +60,16 @@ PEFT_ADAPTER = ".default"
 
 def peft_model(model: nn.Module, lora: LoraOptions) -> nn.Module:
     """The whole model with peft's LoRA (`get_peft_model`): single mode's reference, its factors not yet
-    filled (`init_factors` or `load_adapter`)."""
+    filled (`init_factors` or `load_adapter`). With `lora.base_dtype` bfloat16 its base matrices are then
+    held in bfloat16 as a shard's are (`edge_node.tp.frozen`; after peft, which would otherwise give
+    the factors the base's dtype)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
         r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets)
     )
-    return get_peft_model(model, config)
+    adapted = get_peft_model(model, config)
+    return hold_matrices(adapted, DTYPES[lora.base_dtype]) if lora.base_dtype != "float32" else adapted
 
 
 def factors(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -214,6 +218,8 @@ def save_merged(
 ) -> None:
     """Collective: merge every rank's factors into its base shard (the model stays merged) and write the
     full model to `final` on rank 0 in Hugging Face format (`shapes`: the base model's,
-    `full_param_shapes`)."""
+    `full_param_shapes`). A base held in bfloat16 is float32 again first (its held values, exactly),
+    so the merge is computed in float32 and the model written in float32."""
+    hold_matrices(model, torch.float32)
     merge_lora(model)
     save(final, source_model, model, shapes, slice_of, rank, world)

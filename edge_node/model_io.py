@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from edge_node.tp.context import TPContext
+from edge_node.tp.frozen import hold_matrices
 from edge_node.tp.parallelize import check_supported, parallelize, tie_vocab_shards
 from edge_node.tp.plan import Slice, param_slice
 from xronos.contract.errors import XronosError
@@ -102,24 +103,32 @@ def full_param_shapes(config) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-def empty_shard(config, split: ShardSplit, rank: int, tp: TPContext) -> nn.Module:
+def empty_shard(
+    config, split: ShardSplit, rank: int, tp: TPContext, base_dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Rank `rank`'s shard of the model `config` describes, its parameters allocated, not filled; its
-    modules share `tp` (`edge_node.tp.context`)."""
+    modules share `tp` (`edge_node.tp.context`). `base_dtype`: what its matrices are held in (a frozen
+    LoRA base may be bfloat16: `edge_node.tp.frozen`), allocated so (never float32 first)."""
     split.check(ModelDims.from_config(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
     parallelize(model, split, rank, tp)
+    if base_dtype != torch.float32:
+        hold_matrices(model, base_dtype)
     model.to_empty(device="cpu")
     tie_vocab_shards(model)
     reset_rotary(model, config)
     return model
 
 
-def load_shard(model_dir: str | os.PathLike, split: ShardSplit, rank: int, tp: TPContext) -> nn.Module:
-    """Rank `rank`'s tensor-parallel shard of the model, reading only its own slices."""
+def load_shard(
+    model_dir: str | os.PathLike, split: ShardSplit, rank: int, tp: TPContext, base_dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Rank `rank`'s tensor-parallel shard of the model, reading only its own slices (its matrices rounded
+    to `base_dtype` as each is read: `empty_shard`)."""
     config = load_config(model_dir)
     dims = ModelDims.from_config(config)
-    model = empty_shard(config, split, rank, tp)
+    model = empty_shard(config, split, rank, tp, base_dtype)
     reader = SafetensorsReader(model_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():

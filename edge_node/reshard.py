@@ -13,6 +13,7 @@ is sent by the lowest of them. Replicated tensors (the norms) stay as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -61,6 +62,7 @@ def reshard_tensors(
     new_slice_of: SliceOf,
     rank: int,
     world: int,
+    dtype_of: Callable[[torch.Size], torch.dtype] | None = None,
 ) -> dict[str, list[torch.Tensor]]:
     """Collective: each named group of same-sliced tensors (a parameter and its moments), as this rank
     holds them under the old split, becomes this rank's part of them under the new one.
@@ -68,6 +70,8 @@ def reshard_tensors(
     One round of point-to-point messages per name, in `shapes`' order on every rank; the tensors of a
     group travel under their own tags. Every sliced name comes back, also where this rank's new part
     is empty (the new model may have no such parameter: the caller takes what its model has).
+    `dtype_of`: the dtype a tensor of that shape is held in, for what a rank without it receives
+    (float32 without; a frozen LoRA base may hold its matrices in bfloat16).
     """
     out, group = {}, len(next(iter(tensors.values())))
     for name, shape in shapes.items():
@@ -81,7 +85,7 @@ def reshard_tensors(
         if name in tensors:
             local = tensors[name]
         elif held.size == 0:  # a module built without it (no KV group: no q, k or v at all)
-            local = [torch.empty(0)] * group
+            local = [torch.empty(0, dtype=dtype_of(shape) if dtype_of else torch.float32)] * group
         else:
             raise ValueError(f"this rank holds part of {name!r} under the old split but was not given it")
         width = list(shape)

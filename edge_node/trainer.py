@@ -21,6 +21,7 @@ import json
 import resource
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ from edge_node.reshard import reshard_tensors
 from edge_node.tp.comm import broadcast_bytes, time_collectives
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
+from edge_node.tp.frozen import DTYPES, held_dtype, hold_matrices
 from edge_node.tp.lora import apply_lora, init_lora, lora_shapes, lora_slice, sum_lora_grads
 from edge_node.tp.plan import param_slice
 from edge_node.tp.shared_groups import sum_shared_grads
@@ -151,6 +153,8 @@ class Trainer:
         if self.job.resume and resume_from is None:
             raise XronosError("--resume: the worker was given no checkpoint to resume from")
         self.lora = self.job.lora
+        self.base_dtype = DTYPES[self.lora.base_dtype] if self.lora is not None else torch.float32
+        """What the model's matrices are held in: float32, or a frozen LoRA base's bfloat16 (`edge_node.tp.frozen`)."""
         # an adapter checkpoint holds the factors alone: the base weights are --model's
         source = resume_from if resume_from is not None and self.lora is None else Path(self.job.model)
         config = load_config(source)
@@ -163,6 +167,7 @@ class Trainer:
             self.model = self.adapt(self.model, resume_from)
         self.optimizer = self.make_optimizer()
         self.measure_from = 0
+        self.trained_bytes: int | None = None
         self.reshards, self.replan_checks = 0, 0
         self.last_check: ReplanCheck | None = None
         self.replans: list[ReplanCheck] = []
@@ -219,7 +224,7 @@ class Trainer:
     def load_model(self, source: Path, config):
         if not self.tensor_parallel:
             return load_full(source)
-        return self.enter_split(load_shard(source, self.split, self.rank, self.tp))
+        return self.enter_split(load_shard(source, self.split, self.rank, self.tp, self.base_dtype))
 
     def adapt(self, model, adapter: Path | None):
         """LoRA: `model` frozen, with the job's factors: the adapter checkpoint's (resuming), or the initial
@@ -312,6 +317,7 @@ class Trainer:
                 self.save_checkpoint(step + 1)
         if bar is not None:
             bar.close()
+        self.trained_bytes = self.param_bytes()  # what training held (a merge may upcast a bfloat16 base)
         self.save_final()
 
     def _log_progress(self, step: int) -> None:
@@ -353,8 +359,11 @@ class Trainer:
             "mlp_columns": mlp,
             "vocab_rows": vocab,
             "layers": dims.num_layers,
-            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "param_bytes": self.param_bytes(),
         }
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     # -- re-planning from measured compute ------------------------------------------
     def can_replan(self) -> bool:
@@ -505,9 +514,10 @@ class Trainer:
         moved = reshard_tensors(held, shapes, old_slice_of, self.slice_of, self.rank, self.world)
         if self.lora is not None:
             frozen = {name: [p] for name, p in params.items() if name not in trained}
-            moved |= reshard_tensors(frozen, self.shapes, old_slice_of, self.slice_of, self.rank, self.world)
+            dtype_of = partial(held_dtype, base_dtype=self.base_dtype)
+            moved |= reshard_tensors(frozen, self.shapes, old_slice_of, self.slice_of, self.rank, self.world, dtype_of)
         del held, params, trained, moments
-        model = self.enter_split(empty_shard(self.config, new_split, self.rank, self.tp))
+        model = self.enter_split(empty_shard(self.config, new_split, self.rank, self.tp, self.base_dtype))
         self.model = apply_lora(model, self.lora) if self.lora is not None else model
         self.optimizer = self.make_optimizer()
         with torch.no_grad():
@@ -567,6 +577,7 @@ class Trainer:
         """The fine-tuned model in HF format, directly in `output` (beside `checkpoints/`); with LoRA the
         adapter as peft writes it, or with `merge` the model with the adapter merged in."""
         if self.job.merge:
+            hold_matrices(self.model, torch.float32)  # a bfloat16 base: merged in float32, written in float32
             model = self.model.merge_and_unload() if not self.tensor_parallel else self.model
             save_merged(
                 self.output / ".final", Path(self.job.model), model, self.shapes, self.slice_of, self.rank, self.world
@@ -604,7 +615,7 @@ class Trainer:
             losses=self.losses,
             step_seconds=self.step_seconds,
             comm_seconds=self.comm_seconds,
-            param_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            param_bytes=self.trained_bytes if self.trained_bytes is not None else self.param_bytes(),
             measure_from=self.measure_from,
             split=self.assignment.split if self.tensor_parallel else None,
             replans=self.replans,

@@ -19,6 +19,17 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+def controller_sees(port: int, nodes: int) -> bool:
+    """Whether the controller serving metrics on `port` counts `nodes` nodes online."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return False
+    return any(line.split() == ["xronos_nodes_online", f"{float(nodes)}"] for line in text.splitlines())
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (its workers)."""
     out = []

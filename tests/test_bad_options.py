@@ -187,8 +187,14 @@ def test_the_named_cases_each_get_their_own_reason(setup, tmp_path, data_file):
         ),
         "split in single mode": (base + ["--mode", "single", "--split", "kv=8"], "--split is for modes"),
         "metrics ports past 65535": (base + ["--nodes", "3", "--metrics-port", "65534"], "leaves no port"),
+        "--memory for fewer devices": (base + ["--nodes", "3", "--memory", "4,4"], "--memory lists 2 caps"),
+        "--memory 0": (base + ["--nodes", "1", "--memory", "0"], "--memory: memory caps must be GiB over 0"),
         "--merge without --lora": (base + ["--merge"], "--merge needs --lora"),
         "--lora-alpha without --lora": (base + ["--lora-alpha", "8"], "--lora-alpha needs --lora R"),
+        "--lora-base-dtype without --lora": (
+            base + ["--lora-base-dtype", "bfloat16"],
+            "--lora-base-dtype needs --lora R",
+        ),
         "--lora in mode pp": (base + ["--lora", "4", "--mode", "pp"], "--lora is not supported in mode pp"),
         "--lora in bench mode pp": (
             ["bench", *base[1:], "--lora", "4", "--modes", "xronos,pp"],

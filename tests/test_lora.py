@@ -307,3 +307,23 @@ def test_lora_options_are_checked():
         LoraOptions(r=2, targets=("lm_head",))
     with pytest.raises(ValueError):
         LoraOptions(r=0)
+
+
+def test_a_frozen_matrix_held_in_bfloat16_computes_in_float32_and_keeps_only_itself_for_the_backward():
+    """`frozen_linear` with a bfloat16 weight: the product and the input's gradient of F.linear on the
+    weight upcast, in float32, with the bfloat16 weight (not a float32 copy) saved for the backward."""
+    from edge_node.tp.frozen import frozen_linear
+
+    weight = torch.randn(24, 16).to(torch.bfloat16)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = frozen_linear(x, weight)
+    y_ref = torch.nn.functional.linear(x_ref, weight.float())
+    assert y.dtype == torch.float32 and torch.equal(y, y_ref)
+    assert [t.dtype for t in saved] == [torch.bfloat16]
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-6)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import torch
-from live_cluster import node_process, train_by_command, wait_for, xronos_process
+from live_cluster import controller_sees, node_process, train_by_command, wait_for, xronos_process
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from edge_node.checkpoint import verify
 from edge_node.lora_io import ADAPTER_STEM
-from edge_node.worker_process import stop_processes
+from edge_node.worker_process import free_port, stop_processes
 from xronos.contract.report import RunReport
 from xronos.mosquitto import Mosquitto
 
@@ -22,10 +22,13 @@ USERS = {"controller": "ctl-pw", "operator": "op-pw", "n0": "n0-pw", "n1": "n1-p
 
 def test_a_lora_job_over_mqtt_checkpoints_the_adapter_on_every_rank_and_exports_it(tmp_path, model_dir, data_file):
     model = model_dir("gqa_tied")
+    port = free_port()
     with Mosquitto(users=USERS) as broker:
         procs = [
             xronos_process(
                 "controller",
+                "--metrics-port",
+                str(port),
                 "--state-dir",
                 str(tmp_path / "state"),
                 user="controller",
@@ -36,8 +39,7 @@ def test_a_lora_job_over_mqtt_checkpoints_the_adapter_on_every_rank_and_exports_
         ]
         procs += [node_process(node, tmp_path, broker.url, USERS[node]) for node in ("n0", "n1")]
         try:
-            started = [tmp_path / node / "startup" / "profile.json" for node in ("n0", "n1")]
-            wait_for(lambda: all(p.is_file() for p in started), 180, "both nodes' start-up profiles", 0.5)
+            wait_for(lambda: controller_sees(port, 2), 180, "the controller to see both nodes", 0.5)
             out, report = tmp_path / "out", tmp_path / "report.json"
             extra = ["--mode", "tp", "--nodes", "n0,n1", "--lora", "2", "--checkpoint-every", "2"]
             result = train_by_command(

@@ -90,6 +90,73 @@ def test_lora_under_uneven_xronos_equals_single_and_exports_a_peft_adapter(runs,
     torch.testing.assert_close(merged_logits, adapted, rtol=1e-5, atol=1e-5)
 
 
+def _factor_bytes(model: Path, split: ShardSplit, rank: int) -> int:
+    """The float32 bytes of rank `rank`'s LoRA factors (LORA's options) under `split`."""
+    from edge_node.model_io import full_param_shapes, load_config
+    from edge_node.tp.lora import lora_shapes, lora_slice
+
+    config = load_config(model)
+    dims = ModelDims.from_config(config)
+    total = 0
+    for name, shape in lora_shapes(full_param_shapes(config), LoraOptions(r=4, alpha=8)).items():
+        part = lora_slice(name, split, rank, dims)
+        total += 4 * (shape.numel() if part is None else shape.numel() // shape[part.dim] * part.size)
+    return total
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(runs, data_file):
+    """Single mode and mode xronos (uneven, `--merge`) with the base held in bfloat16."""
+    root, model, *_ = runs
+    bf16 = ["--lora-base-dtype", "bfloat16"]
+    single = _run(model, data_file, root / "single-bf16", "--mode", "single", *LORA, *bf16)
+    uneven = ["--mode", "xronos", "--nodes", "3", "--speeds", "1,0.5,0.25", "--split", SPLIT]
+    return single, _run(model, data_file, root / "xronos-bf16", *uneven, *LORA, *bf16, "--merge")
+
+
+def test_a_bfloat16_base_halves_its_memory_and_trains_as_single_mode_does(runs, bf16_runs, data_file):
+    """`--lora-base-dtype bfloat16`: mode xronos on the uneven split equals single mode (peft) with the same
+    option, losses within 1e-5 relative (measured ~3e-7: both round each weight alike and compute in
+    float32); each rank's base bytes (its parameters less its float32 factors) are ~0.5x the float32 run's
+    (norms stay float32; measured 0.51-0.52 on this model); the final loss is within 1% of the float32
+    base's (measured ~1e-4 relative after 5 steps). `--merge` writes float32, the merge computed in
+    float32 from the rounded base: the logits of (single mode's) adapter on the base rounded to bfloat16."""
+    root, model, _, xronos, _ = runs
+    single, held = bf16_runs
+    for step, (got, want) in enumerate(zip(held["losses"], single["losses"])):
+        assert _rel(got, want) < 1e-5, f"step {step}: {got} vs {want}"
+    assert _rel(held["losses"][-1], xronos["losses"][-1]) < 1e-2
+    assert held["losses"] != xronos["losses"]  # the base really is rounded
+
+    split = ShardSplit(kv_groups=[2, 1, 0], mlp_columns=[0, 64, 96], vocab_rows=[200, 90, 30])
+    for rank, (ours, full) in enumerate(zip(held["nodes"], xronos["nodes"])):
+        factor = _factor_bytes(model, split, rank)
+        assert (ours["param_bytes"] - factor) < 0.6 * (full["param_bytes"] - factor), f"rank {rank}"
+
+    # the adapter is float32 as ever; the merged model float32, the merge from the rounded base
+    adapter = load_file(root / "single-bf16" / f"{ADAPTER_STEM}.safetensors")
+    assert all(t.dtype == torch.float32 for t in adapter.values())
+    merged = load_file(root / "xronos-bf16" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in merged.values())
+    rows = [json.loads(line)["input_ids"][:SEQ_LEN] for line in Path(data_file).read_text().splitlines()[:4]]
+    probe = torch.tensor(rows)
+    logits = []
+    with torch.no_grad():
+        for rounded in (False, True):
+            base = AutoModelForCausalLM.from_pretrained(
+                model, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+            )
+            for param in base.parameters():
+                if rounded and param.dim() >= 2:
+                    param.copy_(param.to(torch.bfloat16))
+            logits.append(PeftModel.from_pretrained(base, root / "single-bf16").eval()(input_ids=probe).logits)
+        plain = AutoModelForCausalLM.from_pretrained(root / "xronos-bf16", attn_implementation=ATTN_IMPLEMENTATION)
+        merged_logits = plain.eval()(input_ids=probe).logits
+    # single mode's adapter, not this run's (merged): the two agree to 1e-5, so the logits to ~2e-5
+    torch.testing.assert_close(merged_logits, logits[1], rtol=0, atol=1e-4)
+    assert not torch.allclose(merged_logits, logits[0], rtol=0, atol=1e-3)
+
+
 def test_resume_of_a_lora_job_continues_the_same_training(runs, data_file, tmp_path):
     """An adapter-only checkpoint at step 2 (a few KB, no base weights) resumed on another split (tp, 2
     ranks) gives the uninterrupted run's losses and adapter; other LoRA options are refused."""
@@ -137,14 +204,20 @@ def _reshard_ranks(rank: int, world: int, port: int, job_json: str, rows_file: s
     results[rank] = losses
 
 
-def test_an_in_memory_reshard_of_a_lora_job_moves_base_weights_factors_and_moments(runs, data_file, tmp_path):
-    """Base weights move alone, factors with their AdamW moments: training goes on as single mode's."""
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_an_in_memory_reshard_of_a_lora_job_moves_base_weights_factors_and_moments(
+    base_dtype, runs, bf16_runs, data_file, tmp_path
+):
+    """Base weights move alone, factors with their AdamW moments: training goes on as single mode's (with a
+    bfloat16 base too: a rank with no KV group receives one into bfloat16 placeholders)."""
     from safetensors.torch import save_file
 
     from edge_node.preflight import job_inputs
     from edge_node.worker_process import free_port
 
     root, model, single, _, _ = runs
+    if base_dtype == "bfloat16":
+        single, _ = bf16_runs
     job = JobOptions(
         model=str(model),
         data=str(data_file),
@@ -155,7 +228,7 @@ def test_an_in_memory_reshard_of_a_lora_job_moves_base_weights_factors_and_momen
         lr=LR,
         seed=7,
         collective="ring",
-        lora=LoraOptions(r=4, alpha=8),
+        lora=LoraOptions(r=4, alpha=8, base_dtype=base_dtype),
     )
     save_file({"input_ids": job_inputs(job).rows}, tmp_path / "rows.safetensors")
     splits = [
@@ -169,9 +242,13 @@ def test_an_in_memory_reshard_of_a_lora_job_moves_base_weights_factors_and_momen
         for got, want in zip(results[rank], single["losses"]):
             assert _rel(got, want) < 1e-5
     ours = load_file(tmp_path / "out" / f"{ADAPTER_STEM}.safetensors")
-    theirs = load_file(root / "single" / f"{ADAPTER_STEM}.safetensors")
+    single_out = "single" if base_dtype == "float32" else "single-bf16"
+    theirs = load_file(root / single_out / f"{ADAPTER_STEM}.safetensors")
+    # bfloat16: one element of layer 1's v_proj A (of 192) is off by up to ~8e-5 in every split (the rest
+    # < 3e-6), as AdamW amplifies round-off of a gradient near its eps; the losses agree to ~3e-7
+    atol = 1e-5 if base_dtype == "float32" else 1e-4
     for key in theirs:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-5, msg=key)
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=atol, msg=key)
 
 
 # -- the planner's memory model ------------------------------------------------------------------
@@ -204,7 +281,8 @@ def _profile(name: str, memory: int) -> DeviceProfile:
 
 def test_planner_places_with_lora_what_full_fine_tuning_cannot():
     """A ~1.1B-parameter Llama config (TinyLlama's shape) on four devices of 4 GiB each: full fine-tuning
-    needs ~16 bytes a parameter (~17 GiB), more than the 16 GiB they have together; LoRA ~4 (~4.4 GiB)."""
+    needs ~16 bytes a parameter (~17 GiB), more than the 16 GiB they have together; LoRA ~4 (~4.4 GiB),
+    and ~2 with the base held in bfloat16 (~2.2 GiB: four devices of 1.5 GiB)."""
     from xronos.planner.cost_model import unit_bytes
     from xronos.planner.partitioner import plan_partition
 
@@ -231,3 +309,13 @@ def test_planner_places_with_lora_what_full_fine_tuning_cannot():
     assert not (plan.split.weight_grads_later or plan.split.attention_weight_grads_later or plan.split.vocab_rows_later)
     full, adapted = unit_bytes(dims, 1, 128), unit_bytes(dims, 1, 128, lora)
     assert all(a < f for a, f in zip(adapted[1:], full[1:]))
+
+    # a base held in bfloat16 (~2 bytes a parameter): four devices of 1.5 GiB, too little for a float32 base
+    small = [_profile(f"d{i}", 3 * 2**29) for i in range(4)]
+    with pytest.raises(XronosError, match="has the memory"):
+        plan_partition(small, dims, 1, 128, lora=lora)
+    bf16 = LoraOptions(r=8, base_dtype="bfloat16")
+    plan = plan_partition(small, dims, 1, 128, lora=bf16)
+    assert all(d.memory_bytes <= 3 * 2**29 for d in plan.devices)
+    held = unit_bytes(dims, 1, 128, bf16)
+    assert held[0] == adapted[0] and all(h < a for h, a in zip(held[1:], adapted[1:]))  # norms stay float32

@@ -85,6 +85,18 @@ def _speeds(text: str) -> list[float]:
     return speeds
 
 
+MAX_MEMORY_GIB = 1 << 20
+"""A device's memory in GiB at most (a pebibyte): a cap is a device's RAM, not a typo's exponent."""
+
+
+def _memory_caps(text: str) -> list[float]:
+    """Device memory caps in GiB: positive, finite."""
+    caps = _numbers(text)
+    if any(not (math.isfinite(x) and 0 < x <= MAX_MEMORY_GIB) for x in caps):
+        raise argparse.ArgumentTypeError(f"memory caps must be GiB over 0 up to {MAX_MEMORY_GIB:,}, got {text!r}")
+    return caps
+
+
 def _positive_ints(text: str) -> list[int]:
     numbers = _numbers(text, int)
     if min(numbers) < 1 or max(numbers) > limits.MAX_BATCH:
@@ -203,6 +215,12 @@ def _add_lora_options(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated projections to adapt (default: all of {','.join(LORA_TARGETS)})",
     )
     g.add_argument(
+        "--lora-base-dtype",
+        choices=("float32", "bfloat16"),
+        help="hold the frozen base matrices in this dtype (default float32; bfloat16 halves their memory, "
+        "computing still in float32)",
+    )
+    g.add_argument(
         "--merge",
         action="store_true",
         help="write the model with the adapters merged in (plain transformers loads it) instead of the adapter",
@@ -216,10 +234,12 @@ def _lora_from_args(args):
     if args.lora is None:
         given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets)) if v]
         given += ["--lora-dropout"] if args.lora_dropout else []
+        given += ["--lora-base-dtype"] if args.lora_base_dtype else []
         if given:
             raise XronosError(f"{given[0]} needs --lora R (the adapters' rank)")
         return None
     extra = {"targets": args.lora_targets} if args.lora_targets else {}
+    extra |= {"base_dtype": args.lora_base_dtype} if args.lora_base_dtype else {}
     return LoraOptions(r=args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout, **extra)
 
 
@@ -253,6 +273,9 @@ def _check_cluster_args(args, speeds: list[float] | None) -> None:
     """What `xronos run` and `bench` options must agree on, before anything is loaded."""
     if speeds is not None and len(speeds) != args.nodes:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {args.nodes}")
+    memory = getattr(args, "memory", None)
+    if memory is not None and len(memory) != args.nodes:
+        raise XronosError(f"--memory lists {len(memory)} caps for --nodes {args.nodes}")
     split = getattr(args, "split", None) or {}
     names = {dim: key for key, dim in SPLIT_KEYS.items()}
     if split and args.mode == "single":
@@ -291,6 +314,7 @@ def cmd_run(args) -> int:
         threads=args.threads,
         show_progress=not args.quiet,
         metrics_port=args.metrics_port,
+        memory_caps=args.memory,
     )
     if args.report:
         Path(args.report).write_text(report.model_dump_json(indent=2))
@@ -629,6 +653,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_options(run)
     run.add_argument("--nodes", type=_whole(1, MAX_NODES), default=3, help="number of emulated devices")
     run.add_argument("--speeds", type=_speeds, help="CPU speed of each device, 1 = one full core (e.g. 1,0.5,0.25)")
+    run.add_argument(
+        "--memory",
+        type=_memory_caps,
+        help="memory of each device in GiB, as the planner sees it (default: this machine's free memory, shared "
+        "equally): emulates small devices; a job that does not fit them is refused before it trains",
+    )
     run.add_argument("--mode", choices=MODES, default="xronos")
     run.add_argument(
         "--split", type=_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_node.tp.context import TPContext
+from edge_node.tp.frozen import COMPUTE_DTYPE, frozen_linear, upcast
 from edge_node.tp.mappings import reduce_from_tp
 from edge_node.tp.weight_grads import linear_weight_grad_later
 
@@ -39,7 +40,7 @@ class RowParallelLinear(nn.Module):
         y = (
             linear_weight_grad_later(x, self.weight, None, self.tp.weight_grads)
             if self.weight_grad_later
-            else F.linear(x, self.weight)
+            else frozen_linear(x, self.weight)
         )
         return y if self.deferred else self.finish(y)
 
@@ -61,11 +62,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.num_rows == 0:
-            out = self.weight.new_zeros(*input_ids.shape, self.weight.shape[1])
+            out = self.weight.new_zeros(*input_ids.shape, self.weight.shape[1], dtype=COMPUTE_DTYPE)
         else:
             outside = (input_ids < self.start) | (input_ids >= self.start + self.num_rows)
             local_ids = (input_ids - self.start).masked_fill(outside, 0)
-            out = F.embedding(local_ids, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+            rows = upcast(F.embedding(local_ids, self.weight, self.padding_idx))  # a table held lower: float32
+            out = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.tp)
 
 

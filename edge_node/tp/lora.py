@@ -38,11 +38,11 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edge_node.tp.comm import all_reduce, world_size
 from edge_node.tp.context import TPContext
+from edge_node.tp.frozen import compute_in_float32, frozen_linear
 from edge_node.tp.layers import HeadlessAttention, RowParallelLinear
 from edge_node.tp.plan import LAYER_PLAN, RowParallel, Slice, param_slice, style_of
 from edge_node.tp.weight_grads import RowsWeightGradLaterLinear, WeightGradLaterLinear
@@ -84,7 +84,7 @@ class LoraLinear(_LoraDelta):
         self._add_factors(base.in_features, base.out_features, lora, base.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.plus_delta(F.linear(x, self.weight, self.bias), x)
+        return self.plus_delta(frozen_linear(x, self.weight, self.bias), x)
 
 
 class LoraRowParallelLinear(RowParallelLinear, _LoraDelta):
@@ -103,7 +103,7 @@ class LoraRowParallelLinear(RowParallelLinear, _LoraDelta):
         self._add_factors(base.in_features, base.out_features, lora, base.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.plus_delta(F.linear(x, self.weight), x)
+        partial = self.plus_delta(frozen_linear(x, self.weight), x)
         return partial if self.deferred else self.finish(partial)
 
 
@@ -144,7 +144,7 @@ def apply_lora(model, lora: LoraOptions) -> nn.Module:
     _without_weight_grads_later(model)
     dims = ModelDims.from_config(model.config)
     targets = set(lora.targets)
-    device = model.lm_head.weight.device
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     for layer in model.model.layers:
         headless = isinstance(layer.self_attn, HeadlessAttention)
         for suffix, style in LAYER_PLAN.items():
@@ -156,13 +156,14 @@ def apply_lora(model, lora: LoraOptions) -> nn.Module:
                 parent.add_module(attr, LoraRowParallelLinear(getattr(parent, attr), lora))
                 continue
             base = getattr(parent, attr) if not (headless and parent_path == "self_attn") else None
-            if base is None:  # a placeholder, never called: it holds the replicated A
-                base = nn.Linear(dims.hidden_size, 0, bias=False, device="meta").to_empty(device=device)
+            if base is None:  # a placeholder, never called: it holds the replicated A (its empty base in the
+                # dtype of the others: a re-shard receives a KV group's slices into it)
+                base = nn.Linear(dims.hidden_size, 0, bias=False, device="meta", dtype=dtype).to_empty(device=device)
                 base.requires_grad_(False)
             parent.add_module(attr, LoraLinear(base, lora))
         if headless and targets & ATTENTION_INPUTS:
             layer.self_attn.register_forward_hook(_output_requires_grad)
-    return model
+    return compute_in_float32(model)  # a base held in bfloat16 (`LoraOptions.base_dtype`): the new plain linears
 
 
 def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

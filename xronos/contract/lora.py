@@ -40,6 +40,15 @@ class LoraOptions(BaseModel):
         description="Dropout on the adapter's input (0: none, and training equals peft's to float round-off).",
     )
     targets: tuple[LoraTarget, ...] = Field(LORA_TARGETS, min_length=1, description="The projections adapted.")
+    base_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="What the frozen base matrices (projections, embedding, LM head) are held in. bfloat16 "
+        "halves the base's memory, so a device holds twice the shard: the base is frozen, so it only has to "
+        "be read, and bfloat16 keeps float32's range (no overflow or scaling to manage) at 8 bits of "
+        "mantissa, a rounding of each weight by at most 2^-9 of it. The forward and backward still compute "
+        "in float32 (each matrix upcast as it is used); norms, biases, the LoRA factors, their gradients "
+        "and AdamW moments stay float32. Off by default: it changes the model trained on (by that rounding).",
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> LoraOptions:

@@ -27,6 +27,8 @@ BYTES_PER_PARAM = 16
 FROZEN_BYTES_PER_PARAM = 4
 """A LoRA job's base weights: the float32 parameter alone (no gradient, no AdamW state); its factors
 cost BYTES_PER_PARAM."""
+FROZEN_BF16_BYTES_PER_PARAM = 2
+"""A LoRA job's base matrices held in bfloat16 (`LoraOptions.base_dtype`); its norms stay float32."""
 RUNTIME_BYTES = 400 * 2**20
 """Python, torch and transformers loaded: what a worker uses before any tensor."""
 
@@ -160,13 +162,18 @@ def unit_bytes(
     gradients and AdamW moments, plus the activations autograd keeps for the backward. With `lora`,
     the base parameters alone (FROZEN_BYTES_PER_PARAM) and the factors with their gradients and
     moments (BYTES_PER_PARAM); the activations are priced as for full fine-tuning (the backward still
-    runs through every layer), which slightly over-counts (inputs kept only for weight gradients)."""
+    runs through every layer), which slightly over-counts (inputs kept only for weight gradients).
+    A base held in bfloat16 costs FROZEN_BF16_BYTES_PER_PARAM for its matrices (the norms stay float32;
+    the float32 copy of the one matrix being multiplied is transient, within the over-count)."""
     h, hd, hpg, layers = dims.hidden_size, dims.head_dim, dims.heads_per_group, dims.num_layers
     tokens = micro_batch * seq_len
     norms = (2 * layers + 1) * h
     per_param = BYTES_PER_PARAM if lora is None else FROZEN_BYTES_PER_PARAM
+    norm_bytes = per_param
+    if lora is not None and lora.base_dtype == "bfloat16":
+        per_param = FROZEN_BF16_BYTES_PER_PARAM
     replicated, per_group, per_block = lora_factor_params(dims, lora) if lora is not None else (0, 0, 0)
-    fixed = RUNTIME_BYTES + per_param * norms + BYTES_PER_PARAM * replicated + 4 * tokens * h * (6 * layers + 4)
+    fixed = RUNTIME_BYTES + norm_bytes * norms + BYTES_PER_PARAM * replicated + 4 * tokens * h * (6 * layers + 4)
     kv_params = layers * (2 * hpg * hd * h + 2 * hd * h)
     kv_acts = layers * 4 * (tokens * (hpg + 2) * hd * 3 + micro_batch * hpg * seq_len * seq_len)
     mlp_params = layers * 3 * h * dims.mlp_block
