@@ -387,6 +387,53 @@ def adam_moments(optimizer: torch.optim.Optimizer, params: dict[str, nn.Paramete
     return out
 
 
+def write_checkpoint(
+    final: Path,
+    params: dict[str, nn.Parameter],
+    shapes: dict[str, torch.Size],
+    slice_of: SliceOf,
+    rank: int,
+    world: int,
+    stem: str,
+    companions: Callable[[Path], None],
+    optimizer: torch.optim.Optimizer | None = None,
+    trainer_state: dict | None = None,
+    replicate: bool = False,
+    rename: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Collective: write `params` (and their AdamW moments) of all ranks to `final` as safetensors files
+    `stem*` (tensor names through `rename`), with the files `companions` writes beside them: on rank 0,
+    or with `replicate` on every rank, each the same bytes (rank 0's trainer state; see the module's
+    docstring). The one way a model, a checkpoint or an adapter is written."""
+    tmp = _temp_dir(final, rank) if rank == 0 or replicate else None
+    named = {rename(name): shape for name, shape in shapes.items()}
+    digests: dict[str, dict] = {}
+    full = replicate_full if replicate else gather_full
+
+    def write(file_stem: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if tmp is None:
+            list(tensors)  # a sender: gather_full sends as it is iterated
+        else:
+            digests.update(write_safetensors(tmp, file_stem, named, ((rename(n), t) for n, t in tensors)))
+
+    write(stem, full(params, shapes, slice_of, rank, world))
+    if optimizer is not None:
+        for key in ADAM_MOMENTS:
+            write(key, full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
+    state = json.dumps(trainer_state) if trainer_state is not None else None
+    if replicate and world > 1 and state is not None:  # its times differ by rank: rank 0's, everywhere
+        state = broadcast_bytes(state.encode() if rank == 0 else None).decode()
+    if tmp is not None:
+        companions(tmp)
+        if state is not None:
+            (tmp / TRAINER_STATE).write_text(state)
+        seal(tmp, digests)
+        if replicate:
+            publish_shared(tmp, final)
+        else:
+            publish_dir(tmp, final)
+
+
 def save(
     final: Path,
     source_model: Path,
@@ -399,35 +446,21 @@ def save(
     trainer_state: dict | None = None,
     replicate: bool = False,
 ) -> None:
-    """Collective: write the model (and optimizer moments) of all ranks to `final`: on rank 0, or with
-    `replicate` on every rank, each the same bytes (rank 0's trainer state; see the module's docstring)."""
-    params = dict(model.named_parameters())
-    tmp = _temp_dir(final, rank) if rank == 0 or replicate else None
-    digests: dict[str, dict] = {}
-    full = replicate_full if replicate else gather_full
-
-    def write(stem: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        if tmp is None:
-            list(tensors)  # a sender: gather_full sends as it is iterated
-        else:
-            digests.update(write_safetensors(tmp, stem, shapes, tensors))
-
-    write("model", full(params, shapes, slice_of, rank, world))
-    if optimizer is not None:
-        for key in ADAM_MOMENTS:
-            write(key, full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
-    state = json.dumps(trainer_state) if trainer_state is not None else None
-    if replicate and world > 1 and state is not None:  # its times differ by rank: rank 0's, everywhere
-        state = broadcast_bytes(state.encode() if rank == 0 else None).decode()
-    if tmp is not None:
-        copy_model_files(source_model, tmp)
-        if state is not None:
-            (tmp / TRAINER_STATE).write_text(state)
-        seal(tmp, digests)
-        if replicate:
-            publish_shared(tmp, final)
-        else:
-            publish_dir(tmp, final)
+    """Collective: the model (and optimizer moments) of all ranks in `final`, Hugging Face's layout
+    beside the source model's config and tokenizer files (`write_checkpoint`)."""
+    write_checkpoint(
+        final,
+        dict(model.named_parameters()),
+        shapes,
+        slice_of,
+        rank,
+        world,
+        "model",
+        lambda tmp: copy_model_files(source_model, tmp),
+        optimizer=optimizer,
+        trainer_state=trainer_state,
+        replicate=replicate,
+    )
 
 
 def checkpoint_dir(output: Path, step: int) -> Path:

@@ -15,29 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from edge_node.checkpoint import (
-    ADAPTER_CONFIG,
-    TRAINER_STATE,
-    SliceOf,
-    _temp_dir,
-    adam_moments,
-    gather_full,
-    publish_dir,
-    publish_shared,
-    replicate_full,
-    save,
-    seal,
-    write_safetensors,
-)
+from edge_node.checkpoint import ADAPTER_CONFIG, SliceOf, save, write_checkpoint
 from edge_node.model_io import SafetensorsReader
 from edge_node.optimizer import ADAM_MOMENTS, adam_state
-from edge_node.tp.comm import broadcast_bytes
 from edge_node.tp.frozen import DTYPES, hold_matrices
 from edge_node.tp.lora import initial_factor, lora_parameters, merge_lora
 from xronos.contract.errors import XronosError
@@ -175,36 +160,22 @@ def save_adapter(
     replicate: bool = False,
 ) -> None:
     """Collective: write the adapter of all ranks to `final` as peft writes it (`shapes`: `lora_shapes`):
-    on rank 0, or with `replicate` on every rank, the same bytes (as `edge_node.checkpoint.save`);
+    on rank 0, or with `replicate` on every rank, the same bytes (`edge_node.checkpoint.write_checkpoint`);
     with `optimizer` and `trainer_state`, an adapter-only checkpoint."""
-    params = factors(model)
-    tmp = _temp_dir(final, rank) if rank == 0 or replicate else None
-    keyed = {peft_key(name): shape for name, shape in shapes.items()}
-    digests: dict[str, dict] = {}
-    full = replicate_full if replicate else gather_full
-
-    def write(stem: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        if tmp is None:
-            list(tensors)  # a sender: gather_full sends as it is iterated
-        else:
-            digests.update(write_safetensors(tmp, stem, keyed, ((peft_key(n), t) for n, t in tensors)))
-
-    write(ADAPTER_STEM, full(params, shapes, slice_of, rank, world))
-    if optimizer is not None:
-        for key in ADAM_MOMENTS:
-            write(key, full(adam_moments(optimizer, params, key), shapes, slice_of, rank, world))
-    state = json.dumps(trainer_state) if trainer_state is not None else None
-    if replicate and world > 1 and state is not None:  # its times differ by rank: rank 0's, everywhere
-        state = broadcast_bytes(state.encode() if rank == 0 else None).decode()
-    if tmp is not None:
-        write_adapter_config(tmp, lora, base_model)
-        if state is not None:
-            (tmp / TRAINER_STATE).write_text(state)
-        seal(tmp, digests)
-        if replicate:
-            publish_shared(tmp, final)
-        else:
-            publish_dir(tmp, final)
+    write_checkpoint(
+        final,
+        factors(model),
+        shapes,
+        slice_of,
+        rank,
+        world,
+        ADAPTER_STEM,
+        lambda tmp: write_adapter_config(tmp, lora, base_model),
+        optimizer=optimizer,
+        trainer_state=trainer_state,
+        replicate=replicate,
+        rename=peft_key,
+    )
 
 
 def save_merged(
