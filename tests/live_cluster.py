@@ -19,15 +19,45 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def controller_sees(port: int, nodes: int) -> bool:
-    """Whether the controller serving metrics on `port` counts `nodes` nodes online."""
+def metrics(port: int) -> dict[str, float]:
+    """The samples a process serves on `port`, by name with labels (`name{label="value"}`)."""
     import urllib.request
 
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def controller_sees(port: int, nodes: int) -> bool:
+    """Whether the controller serving metrics on `port` counts `nodes` nodes online."""
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return metrics(port).get("xronos_nodes_online") == nodes
     except OSError:
         return False
-    return any(line.split() == ["xronos_nodes_online", f"{float(nodes)}"] for line in text.splitlines())
+
+
+def uninterrupted(model: Path, data: Path, output: Path, *, steps: int, batch_size: int, seq_len: int):
+    """The reference a job by command is held to: one process, the same data and the options
+    `train_by_command` gives (lr 1e-3, no shuffling). Returns its RunReport."""
+    from edge_node.launcher import run_local
+    from xronos.contract.job import JobOptions
+
+    job = JobOptions(
+        model=str(model),
+        data=str(data),
+        output=str(output),
+        mode="single",
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=1e-3,
+        shuffle=False,
+    )
+    return run_local(job, 1, show_progress=False)
 
 
 def children(pid: int) -> list[int]:

@@ -20,19 +20,17 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
 import torch
-from live_cluster import node_process, train_by_command, wait_for, xronos_process
+from live_cluster import metrics, node_process, train_by_command, uninterrupted, wait_for, xronos_process
 from transformers import AutoModelForCausalLM
 
 from controller.registry import Registry
 from controller.service import Controller, ControllerOptions
 from edge_node.agent import NodeAgent, NodeOptions
-from edge_node.launcher import run_local
 from edge_node.worker_process import free_port, stop_processes
 from xronos.broker import EmbeddedBroker
 from xronos.contract import wire
@@ -43,16 +41,6 @@ from xronos.operator import cluster_status
 
 USERS = {"controller": "ctl-pw", "operator": "op-pw", "n0": "n0-pw", "n1": "n1-pw", "intruder": "in-pw"}
 STEPS, BATCH, SEQ = 4, 4, 16
-
-
-def metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def raw_client(url_port: int, user: str) -> paho.Client:
@@ -176,20 +164,8 @@ def test_train_wait_runs_a_job_through_mosquitto_while_bad_input_is_dropped(clus
 
     # same math as one process: the report's losses and the exported weights
     out = cluster["root"] / "out-good-1"
-    reference = run_local(
-        JobOptions(
-            model=str(cluster["model"]),
-            data=str(cluster["data"]),
-            output=str(tmp_path / "single"),
-            mode="single",
-            steps=STEPS,
-            batch_size=BATCH,
-            seq_len=SEQ,
-            lr=1e-3,
-            shuffle=False,
-        ),
-        1,
-        show_progress=False,
+    reference = uninterrupted(
+        cluster["model"], cluster["data"], tmp_path / "single", steps=STEPS, batch_size=BATCH, seq_len=SEQ
     )
     assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
     trained = AutoModelForCausalLM.from_pretrained(out)

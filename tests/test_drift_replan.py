@@ -18,12 +18,11 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-from live_cluster import node_process, train_by_command, wait_for, xronos_process
+from live_cluster import node_process, train_by_command, uninterrupted, wait_for, xronos_process
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from edge_node.cpu_quota import CGROUP_V1_CPU, cgroup_quota_available
-from edge_node.launcher import run_local
 from edge_node.toy_model import make_data, make_model
 from edge_node.trainer import (
     CALIBRATION_CHECKS,
@@ -250,19 +249,5 @@ def test_a_node_slowed_mid_job_gets_a_smaller_share_by_a_drift_replan(tmp_path):
 
     # it trained as an uninterrupted run on the same data does; the exported model loads
     assert AutoModelForCausalLM.from_pretrained(root / "out").config.num_hidden_layers == 2
-    reference = run_local(
-        JobOptions(
-            model=str(model),
-            data=str(data),
-            output=str(tmp_path / "single"),
-            mode="single",
-            steps=STEPS,
-            batch_size=BATCH,
-            seq_len=SEQ,
-            lr=1e-3,
-            shuffle=False,
-        ),
-        1,
-        show_progress=False,
-    )
+    reference = uninterrupted(model, data, tmp_path / "single", steps=STEPS, batch_size=BATCH, seq_len=SEQ)
     assert report.losses[-1] == pytest.approx(reference.losses[-1], rel=0.01)

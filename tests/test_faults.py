@@ -22,10 +22,18 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from live_cluster import kill_tree, node_process, train_by_command, wait_for, xronos_process
+from live_cluster import (
+    controller_sees,
+    kill_tree,
+    metrics,
+    node_process,
+    train_by_command,
+    uninterrupted,
+    wait_for,
+    xronos_process,
+)
 from transformers import AutoModelForCausalLM
 
-from edge_node.launcher import run_local
 from edge_node.worker_process import free_port, stop_processes
 from xronos.contract import wire
 from xronos.contract.job import JobOptions
@@ -36,18 +44,6 @@ NODES = ("n0", "n1", "n2")
 BATCH, SEQ = 4, 16
 SPEED = "0.3"
 """Each node's CPU quota: slow enough that a job outlasts a 30 s outage in a couple of hundred steps."""
-
-
-def metrics(port: int) -> dict[str, float]:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def start_controller(root: Path, broker: Mosquitto, port: int, log: str = "controller.log") -> subprocess.Popen:
@@ -62,13 +58,6 @@ def start_controller(root: Path, broker: Mosquitto, port: int, log: str = "contr
         url=broker.url,
         log=root / log,
     )
-
-
-def controller_sees(port: int, nodes: int) -> bool:
-    try:
-        return metrics(port).get("xronos_nodes_online") == nodes
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -92,20 +81,8 @@ REFERENCE: dict[int, list[float]] = {}
 def reference_losses(cluster, steps: int, tmp: Path) -> list[float]:
     """The uninterrupted run: one process, the same data and options."""
     if steps not in REFERENCE:
-        REFERENCE[steps] = run_local(
-            JobOptions(
-                model=str(cluster["model"]),
-                data=str(cluster["data"]),
-                output=str(tmp / f"single-{steps}"),
-                mode="single",
-                steps=steps,
-                batch_size=BATCH,
-                seq_len=SEQ,
-                lr=1e-3,
-                shuffle=False,
-            ),
-            1,
-            show_progress=False,
+        REFERENCE[steps] = uninterrupted(
+            cluster["model"], cluster["data"], tmp / f"single-{steps}", steps=steps, batch_size=BATCH, seq_len=SEQ
         ).losses
     return REFERENCE[steps]
 

@@ -22,14 +22,12 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from live_cluster import train_by_command, wait_for
+from live_cluster import train_by_command, uninterrupted, wait_for
 from transformers import AutoModelForCausalLM
 
-from edge_node.launcher import run_local
 from edge_node.toy_model import make_data, make_model
 from edge_node.worker_process import free_port, stop_processes
 from xronos.contract import wire
-from xronos.contract.job import JobOptions
 from xronos.mosquitto import Mosquitto
 
 REPO = Path(__file__).resolve().parent.parent
@@ -274,20 +272,6 @@ def test_a_controller_killed_mid_job_restarts_from_its_state_and_the_job_complet
     # the model the job wrote loads, and it trained as an uninterrupted run on the same data does
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert trained.config.num_hidden_layers == 3
-    reference = run_local(
-        JobOptions(
-            model=str(model),
-            data=str(data),
-            output=str(tmp_path / "reference"),
-            mode="single",
-            steps=STEPS,
-            batch_size=BATCH,
-            seq_len=SEQ,
-            lr=1e-3,
-            shuffle=False,
-        ),
-        1,
-        show_progress=False,
-    )
+    reference = uninterrupted(model, data, tmp_path / "reference", steps=STEPS, batch_size=BATCH, seq_len=SEQ)
     assert report["losses"][-1] == pytest.approx(reference.losses[-1], rel=0.01)
     assert report["losses"][-1] < report["losses"][0]

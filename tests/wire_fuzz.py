@@ -20,13 +20,12 @@ import collections
 import json
 import os
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import paho.mqtt.client as paho
 from hypothesis import strategies as st
-from live_cluster import node_process, wait_for, xronos_process
+from live_cluster import metrics, node_process, wait_for, xronos_process
 
 from edge_node.worker_process import free_port, stop_processes
 from xronos.contract import wire
@@ -206,16 +205,6 @@ class Expected:
                 self.node += 1
         elif broken or (not payload and not any(t.retain for t in wire.TOPICS if t.family == family)):
             self.controller[family] += 1  # an empty heartbeat or command is nothing: counted too
-
-
-def metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def invalid(values: dict[str, float], family: str, node: str | None = None) -> float:
