@@ -193,10 +193,16 @@ def test_a_node_slowed_mid_job_gets_a_smaller_share_by_a_drift_replan(tmp_path):
             (group / "cpu.cfs_quota_us").write_text("1000")
             throttled_after = read_progress()
             before = share(lines[-1], dims)
-            at_reshard = None  # the node's metrics once its shard changed
+            # the node's metrics by the steps they count: the agent reads progress a poll behind the
+            # worker, so windows are cut by the metrics' own step count, not by the time they were read
+            by_steps: dict[float, dict[str, float]] = {}
             while runner.is_alive():
-                if read_progress() and at_reshard is None and share(lines[-1], dims) != before:
-                    at_reshard = metrics(ports[SLOWED], node=SLOWED, job_id=JOB)
+                read_progress()
+                try:
+                    now = metrics(ports[SLOWED], node=SLOWED, job_id=JOB)
+                except OSError:
+                    now = {}
+                by_steps.setdefault(now.get("xronos_step_seconds_count", 0.0), now)
                 time.sleep(0.1)
             runner.join()
             at_end = metrics(ports[SLOWED], node=SLOWED, job_id=JOB)
@@ -226,8 +232,11 @@ def test_a_node_slowed_mid_job_gets_a_smaller_share_by_a_drift_replan(tmp_path):
         steps = until["xronos_step_seconds_count"] - since.get("xronos_step_seconds_count", 0.0)
         return (until["xronos_compute_seconds_total"] - since.get("xronos_compute_seconds_total", 0.0)) / steps
 
-    assert at_reshard is not None
-    slowed = compute_per_step(at_throttle, at_reshard)
+    # throttled: from the first step that ran wholly under the quota to the step before the re-shard
+    from_count = min(c for c in by_steps if c >= throttled_after + 1)
+    to_count = max(c for c in by_steps if c <= first.after_step)
+    assert to_count - from_count >= 2, (sorted(by_steps), throttled_after, first.after_step)
+    slowed = compute_per_step(by_steps[from_count], by_steps[to_count])
     assert slowed > 1.5 * compute_per_step({}, at_throttle), (slowed, compute_per_step({}, at_throttle))
     assert at_end["xronos_shard_mlp_columns"] == lines[-1]["mlp_columns"] and share(lines[-1], dims) < before
 
