@@ -90,6 +90,62 @@ def _read_feeds(feeds: list[_MetricsFeed], workers: list[WorkerProcess]) -> None
         feed.read(worker.proc.pid)
 
 
+class LocalWorkers:
+    """One local run's worker processes, one per emulated device: their temporary directory (the rows,
+    specs, logs, results), their CPU quotas packed onto this machine's cores, and their end. `xronos run`
+    and the bench's `hf-tp` reference start their workers through it; `close` stops what still runs,
+    releases the quotas and removes the directory."""
+
+    def __init__(self, rows, speeds: list[float | None], threads: int = 1, show_progress: bool = True):
+        self.dir = Path(tempfile.mkdtemp(prefix="xronos-run-"))
+        self.id = uuid.uuid4().hex[:8]
+        self.speeds, self.threads, self.show_progress = speeds, threads, show_progress
+        self.workers: list[WorkerProcess] = []
+        self.quotas: list = []
+        try:
+            save_file({"input_ids": rows}, self.rows_file)
+            quotas_of = [s for s in speeds if s is not None]
+            throttled = len(quotas_of) == len(speeds)
+            self.cpus = pack_cores(quotas_of, len(os.sched_getaffinity(0))) if throttled else None
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def rows_file(self) -> Path:
+        return self.dir / "rows.safetensors"
+
+    def file(self, kind: str, device: int, suffix: str = "json") -> Path:
+        """Device `device`'s file of `kind` (spec, result, profile, plan, progress) in the run's directory."""
+        return self.dir / f"{kind}-{device}.{suffix}"
+
+    def start(self, spec, device: int, module: str = "edge_node.worker") -> WorkerProcess:
+        """Start device `device`'s worker for `spec` under its quota and cores (device 0 echoes its progress)."""
+        worker, quota = start_worker(
+            spec,
+            self.file("spec", device),
+            self.file("device", device, "log"),
+            self.speeds[device],
+            f"xronos-{self.id}-d{device}",
+            echo=self.show_progress and device == 0,
+            threads=self.threads,
+            cpus=self.cpus[device] if self.cpus else None,
+            module=module,
+        )
+        self.workers.append(worker)
+        self.quotas += [quota] if quota is not None else []
+        return worker
+
+    def result(self, device: int) -> RankResult:
+        return RankResult.model_validate_json(self.file("result", device).read_text())
+
+    def close(self) -> None:
+        stop_all(self.workers)
+        for quota in self.quotas:
+            quota.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def run_local(
     job: JobOptions,
     nodes: int,
@@ -129,22 +185,16 @@ def run_local(
     if speeds is not None:
         device_speeds = list(speeds[:n_workers])
 
-    run_dir = Path(tempfile.mkdtemp(prefix="xronos-run-"))
-    run_id = uuid.uuid4().hex[:8]
-    quotas, workers, feeds = [], [], []
+    local = LocalWorkers(rows, device_speeds, threads, show_progress)
+    workers, feeds = local.workers, []
     try:
-        save_file({"input_ids": rows}, run_dir / "rows.safetensors")
         if metrics_port is not None:
             for d in range(n_workers):
-                feeds.append(
-                    _MetricsFeed(f"device-{d}", f"run-{run_id}", run_dir / f"progress-{d}.jsonl", metrics_port + d)
-                )
+                progress = local.file("progress", d, "jsonl")
+                feeds.append(_MetricsFeed(f"device-{d}", f"run-{local.id}", progress, metrics_port + d))
         port = free_port()
         shared = available_memory_bytes() // n_workers
         memory = [int(c * 2**30) for c in memory_caps] if memory_caps is not None else [shared] * n_workers
-        quotas_of = [s for s in device_speeds if s is not None]
-        throttled = len(quotas_of) == n_workers
-        cpus = pack_cores(quotas_of, len(os.sched_getaffinity(0))) if throttled else None
         for device in range(n_workers):
             spec = WorkerSpec(
                 job=job,
@@ -162,33 +212,21 @@ def run_local(
                     stages=stages,
                     micro_batches=job.micro_batches or job.batch_size,
                 ),
-                profile_file=str(run_dir / f"profile-{device}.json") if profiled else None,
-                plan_file=str(run_dir / f"plan-{device}.json") if profiled else None,
-                rows_file=str(run_dir / "rows.safetensors"),
+                profile_file=str(local.file("profile", device)) if profiled else None,
+                plan_file=str(local.file("plan", device)) if profiled else None,
+                rows_file=str(local.rows_file),
                 resume_from=str(resume_from) if resume_from is not None else None,
-                result_file=str(run_dir / f"result-{device}.json"),
+                result_file=str(local.file("result", device)),
                 threads=threads,
                 show_progress=show_progress and device == 0,
-                progress_file=str(run_dir / f"progress-{device}.jsonl") if metrics_port is not None else None,
+                progress_file=str(local.file("progress", device, "jsonl")) if metrics_port is not None else None,
             )
-            worker, quota = start_worker(
-                spec,
-                run_dir / f"spec-{device}.json",
-                run_dir / f"device-{device}.log",
-                device_speeds[device],
-                f"xronos-{run_id}-d{device}",
-                echo=show_progress and device == 0,
-                threads=threads,
-                cpus=cpus[device] if cpus else None,
-            )
-            worker.rank = None if profiled else device
-            workers.append(worker)
-            quotas += [quota] if quota is not None else []
+            local.start(spec, device).rank = None if profiled else device
 
         tick = partial(_read_feeds, feeds, workers) if feeds else None
         devices, predicted, plan = list(range(n_workers)), None, None
         if profiled:
-            profile_files = [run_dir / f"profile-{d}.json" for d in range(n_workers)]
+            profile_files = [local.file("profile", d) for d in range(n_workers)]
             _watch(workers, Path(job.output), until=lambda: all(p.is_file() for p in profile_files), tick=tick)
             profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files]
             plan = plan_job(job, dims, profiles)
@@ -196,20 +234,17 @@ def run_local(
             for device, (worker, rank) in enumerate(zip(workers, plan.ranks)):
                 worker.rank = rank
                 assignment = plan.rank_assignment(device, "127.0.0.1", port)
-                write_atomically(run_dir / f"plan-{device}.json", assignment.model_dump_json())
+                write_atomically(local.file("plan", device), assignment.model_dump_json())
         _watch(workers, Path(job.output), tick=tick)
         if tick is not None:
             tick()
-        results = [RankResult.model_validate_json((run_dir / f"result-{d}.json").read_text()) for d in devices]
+        results = [local.result(d) for d in devices]
         if plan is not None:
             return planned_report(job, dims, plan, profiles, device_speeds, results)
         return build_report(
             job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted, stages=stages, dims=dims
         )
     finally:
-        stop_all(workers)
+        local.close()
         for feed in feeds:
             feed.metrics.close()
-        for quota in quotas:
-            quota.close()
-        shutil.rmtree(run_dir, ignore_errors=True)

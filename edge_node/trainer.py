@@ -43,6 +43,7 @@ from edge_node.lora_io import (
 from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes, load_config, load_full, load_shard
 from edge_node.optimizer import ADAM_MOMENTS, adam_state, adam_step, adamw
 from edge_node.reshard import reshard_tensors
+from edge_node.timeline import Timeline
 from edge_node.tp.comm import broadcast_bytes, time_collectives
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
@@ -109,6 +110,7 @@ class WorkerSpec(BaseModel):
     show_progress: bool = False
     progress_file: str | None = Field(None, description="Append one JSON line per step here (read by the node agent).")
     quota_file: str | None = Field(None, description="The cgroup.procs file to join once imports are done (cpu_quota).")
+    cpus: list[int] | None = Field(None, description="The cores to run on from joining the quota on (None: any).")
     replicate_checkpoints: bool = Field(
         False,
         description="Every rank keeps the whole of every checkpoint in its own output (node agents: a "
@@ -118,17 +120,21 @@ class WorkerSpec(BaseModel):
 
 
 class Trainer:
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, timeline: Timeline | None = None):
+        self.timeline = timeline or Timeline()
+        """When this worker's start-up phases, first steps, re-shards and save ended (`RankResult.timeline`)."""
         assert spec.assignment is not None and spec.assignment.rank is not None, "a trainer needs its rank"
         self.spec, self.job = spec, spec.job
         self.assignment, self.rank = spec.assignment, spec.assignment.rank
         self.tp = TPContext()
         assert self.assignment.world_size is not None  # RankAssignment: a rank comes with its world
         self.world = self.assignment.world_size
-        self.tensor_parallel = self.job.mode in ("tp", "xronos")
+        # the plain model: mode single, or mode xronos when it chose the fastest device alone
+        self.plain = self.job.mode == "single" or self.assignment.plain
+        self.tensor_parallel = self.job.mode in ("tp", "xronos") and not self.plain and self.assignment.stages is None
         torch.set_num_threads(spec.threads)
         torch.manual_seed(self.job.seed)
-        if self.world > 1 or self.job.mode != "single":
+        if self.world > 1 or not self.plain:
             dist.init_process_group(
                 "gloo",
                 init_method=f"tcp://{self.assignment.master_addr}:{self.assignment.master_port}",
@@ -139,6 +145,7 @@ class Trainer:
                 # first barrier, and rank 0 writing a save while the others wait in the next collective.
                 timeout=datetime.timedelta(seconds=self.job.collective_timeout),
             )
+            self.timeline.mark("process_group")
         rows = self.assignment.split.micro_batch_rows if self.assignment.split is not None else None
         if rows is not None and rows != self.job.batch_size // self.job.grad_accum:
             raise XronosError(
@@ -180,9 +187,13 @@ class Trainer:
         self.comm_seconds: list[float] = []
         self.segment_seconds: list[tuple[float, ...]] = []
         """Per step: compute seconds in each segment, SEGMENT_FIELDS' order (`TPContext.clock.segments`)."""
+        self.timeline.mark("model_loaded")
         self.collective = self.choose_collective() if self.tensor_parallel and self.world > 1 else None
+        if self.collective is not None:
+            self.timeline.mark("collective_chosen")
         if dist.is_initialized():
             dist.barrier()  # slow devices also load slowly: start the first step's clock together
+            self.timeline.mark("barrier")
 
     def choose_collective(self) -> CollectiveChoice:
         """The all-reduce of this job's TP group (`edge_node.tp.comm`); every rank must call this.
@@ -305,6 +316,10 @@ class Trainer:
                 tuple(self.tp.clock.segments.get(k, 0.0) - segments0.get(k, 0.0) for k in SEGMENT_FIELDS)
             )
             self.losses.append(loss)
+            if step - self.start_step < 2:
+                self.timeline.mark(("first_step", "second_step")[step - self.start_step])
+            if step + 1 == self.job.steps:
+                self.timeline.mark("last_step")
             if self.spec.progress_file:
                 self._log_progress(step)
             if bar is not None:
@@ -319,6 +334,7 @@ class Trainer:
             bar.close()
         self.trained_bytes = self.param_bytes()  # what training held (a merge may upcast a bfloat16 base)
         self.save_final()
+        self.timeline.mark("saved")
 
     def _log_progress(self, step: int) -> None:
         """One line per step for the node agent: loss, and this rank's compute, comm and idle seconds.
@@ -482,6 +498,7 @@ class Trainer:
             return
         self.reshard(new_split)
         self.replans[-1] = self.replans[-1].model_copy(update={"reshard_seconds": time.perf_counter() - started})
+        self.timeline.mark("reshard", self.replans[-1].reshard_seconds)
 
     def min_replan_gain(self, step_seconds: float) -> float:
         """The gain this check needs to re-shard: `xronos.planner.replan.min_replan_gain`, and at least
@@ -622,6 +639,8 @@ class Trainer:
             segment_seconds=self.segment_seconds if self.tensor_parallel else [],
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             collective=self.collective,
+            started_at=self.timeline.started_at,
+            timeline=self.timeline.events,
         )
 
     def close(self) -> None:

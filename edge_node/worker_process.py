@@ -68,6 +68,7 @@ class WorkerProcess:
         threads: int,
         loopback: bool = True,
         cpus: set[int] | None = None,
+        module: str = "edge_node.worker",
     ):
         heap = HEAP_ENV if os.environ.get("XRONOS_KEEP_HEAP", "1") != "0" else {}
         env = {**heap, **os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -77,7 +78,7 @@ class WorkerProcess:
         self.log_file = log_file
         self.rank: int | None = None  # known once the split is
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_node.worker", str(spec_file)],
+            [sys.executable, "-m", module, str(spec_file)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=env,
@@ -118,9 +119,13 @@ def start_worker(
     threads: int = 1,
     loopback: bool = True,
     cpus: set[int] | None = None,
+    module: str = "edge_node.worker",
 ):
     """Start a worker for `spec` (a `edge_node.trainer.WorkerSpec`) under a CPU quota of `speed` (None: none);
     returns the worker and its quota, which the caller closes when the worker is done.
+
+    `module` is the entry point run as `python -m MODULE SPEC`; another one (`edge_node.hf_tp`) takes a
+    spec of its own, with the `device` and `quota_file` fields this function reads and sets.
 
     The one way `xronos run` and the node agent start workers: the quota is made first, its
     procs file goes into the spec (the worker joins it once its imports are done), and the
@@ -128,10 +133,23 @@ def start_worker(
     """
     quota = make_quota(quota_name, speed) if speed is not None else None
     try:
-        spec = spec.model_copy(update={"quota_file": quota.procs_file if quota is not None else None})
+        joins = quota is not None and quota.procs_file is not None  # the worker pins itself as it joins
+        spec = spec.model_copy(
+            update={
+                "quota_file": quota.procs_file if quota is not None else None,
+                "cpus": sorted(cpus) if joins and cpus else None,
+            }
+        )
         spec_file.write_text(spec.model_dump_json())
         worker = WorkerProcess(
-            spec.device, spec_file, log_file, echo=echo, threads=threads, loopback=loopback, cpus=cpus
+            spec.device,
+            spec_file,
+            log_file,
+            echo=echo,
+            threads=threads,
+            loopback=loopback,
+            cpus=None if joins else cpus,
+            module=module,
         )
         if quota is not None:
             start_under(quota, worker.proc.pid)

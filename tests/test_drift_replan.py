@@ -155,6 +155,8 @@ def test_a_node_slowed_mid_job_gets_a_smaller_share_by_a_drift_replan(tmp_path):
                         JOB,
                         "--mode",
                         "xronos",
+                        "--layouts",
+                        "tp",  # the three devices, not the fastest alone: the job re-plans its TP split
                         "--nodes",
                         ",".join(NODES),
                         "--report",

@@ -310,7 +310,10 @@ def node_loss(cluster, job_id: str, mode: str, rank: int, steps: int, tmp: Path)
     step past the first checkpoint: the job goes on on the other ranks from the newest checkpoint they hold,
     loses at most one checkpoint interval, and ends as an uninterrupted run would. The node then comes back."""
     watcher, statuses = watch_job(cluster, job_id)
-    runner, done = train_in_background(cluster, job_id, steps, mode, "--checkpoint-every", str(CHECKPOINT_EVERY))
+    layouts = ("--layouts", "tp") if mode == "xronos" else ()  # a small model's job may rightly stay on one device
+    runner, done = train_in_background(
+        cluster, job_id, steps, mode, *layouts, "--checkpoint-every", str(CHECKPOINT_EVERY)
+    )
     ranks = wait_for(lambda: running_on(statuses), 180, "the job to be planned")
     watcher.loop_stop()
     watcher.disconnect()

@@ -234,6 +234,7 @@ def monitored(tmp_path_factory):
                     jobs[mode],
                     "--mode",
                     mode,
+                    *(("--layouts", "tp") if mode == "xronos" else ()),  # every node's panels, not one device's
                     "--nodes",
                     ",".join(NODES),
                     steps=STEPS,

@@ -10,12 +10,8 @@ from edge_node.tp.plan import Slice, param_slice
 from xronos.contract.errors import XronosError
 from xronos.contract.job import MAX_EVERY, JobOptions
 from xronos.contract.splits import ModelDims, ShardSplit
-from xronos.planner.checkpoint_plan import (
-    CHECKPOINT_SHARE,
-    checkpoint_interval,
-    checkpoint_seconds,
-    parameter_count,
-)
+from xronos.planner.checkpoint_plan import CHECKPOINT_SHARE, checkpoint_interval, checkpoint_seconds
+from xronos.planner.cost_model import parameter_count
 from xronos.planner.job_plan import JobPlan
 from xronos.planner.planning import even_split, split_for_mode, split_units, weighted_split
 
@@ -142,7 +138,7 @@ def test_a_lora_checkpoint_counts_the_factors_peft_trains(targets):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from xronos.contract.lora import LoraOptions
-    from xronos.planner.checkpoint_plan import trained_count
+    from xronos.planner.cost_model import trained_count
 
     config = LlamaConfig(
         hidden_size=48,

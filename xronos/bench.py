@@ -5,6 +5,9 @@ and the same emulated devices; the table compares step time (and its ratio
 to even TP and to the compute-only ideal), idle ratio, and held-out
 perplexity before and after. A PNG chart shows step time per mode and where
 each device's time goes (compute, communication, idle).
+
+Beside the modes, the reference `hf-tp` (`edge_node.hf_tp`): transformers' own tensor
+parallelism on the same devices, quotas and rows; a run label of the bench, not a job mode.
 """
 
 from __future__ import annotations
@@ -18,12 +21,18 @@ from pydantic import BaseModel
 
 from edge_node.data import load_rows
 from edge_node.evaluate import perplexity
+from edge_node.hf_tp import HF_TP, run_hf_tp
 from edge_node.launcher import run_local
 from edge_node.model_io import load_config
-from xronos.contract.job import JobOptions
+from xronos.contract.errors import XronosError
+from xronos.contract.job import MODES, JobOptions
 from xronos.contract.report import RunReport, describe_layout
 from xronos.contract.splits import ModelDims
 from xronos.summary import node_seconds, replan_lines
+
+BENCH_MODES: tuple[str, ...] = (*MODES, HF_TP)
+"""What `--modes` takes: the job modes, and transformers' TP as a reference (not in the default: its
+steps are several times tp's)."""
 
 
 class BenchResult(BaseModel):
@@ -43,6 +52,8 @@ class BenchResult(BaseModel):
     """With several rounds, per mode, every round's whole report, in round order (the median round's
     is also in `reports`): a round whose idle or plan stands out can be traced (its re-plan checks,
     per-device seconds, the profiles it planned with: `xronos plan --profiles` takes one saved alone)."""
+    failed: dict[str, str] = {}
+    """Per run label that could not run (the reference hf-tp, on a model its plan cannot split), why."""
 
 
 def layouts_by_round(layouts: list[str], idle: list[float]) -> str | None:
@@ -77,6 +88,11 @@ def median_round(seconds: list[float]) -> int:
 def round_ratios(rounds: dict[str, list[float]], mode: str, base: str) -> list[float]:
     """`mode`'s step time over `base`'s, round by round: each pair ran minutes apart, not rounds apart."""
     return [a / b for a, b in zip(rounds[mode], rounds[base])]
+
+
+def loss_difference(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference between two runs' losses, step by step."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
 def bench_runs(modes: list[str], pp_micro_batches: list[int] | None) -> list[tuple[str, str, int | None]]:
@@ -117,10 +133,18 @@ def run_bench(
         eval_set = load_rows(eval_data, base.seq_len, base.model, dims.vocab_size)[:eval_rows]
     before = perplexity(base.model, eval_set) if eval_set is not None else None
     runs: dict[str, list[RunReport]] = {}
-    after = {}
+    after: dict[str, float] = {}
+    failed: dict[str, str] = {}
     for round_ in range(rounds):
         for label, mode, micro_batches in bench_runs(modes, pp_micro_batches):
             out = Path(base.output) / label.replace(" ", "_").replace("=", "")
+            if mode == HF_TP:
+                if label not in failed:
+                    of = f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""
+                    _run_reference(
+                        base.model_copy(update={"output": str(out)}), speeds, runs, failed, show_progress, of
+                    )
+                continue
             job = base.model_copy(
                 update={"mode": mode, "output": str(out), "micro_batches": micro_batches or base.micro_batches}
             )
@@ -136,6 +160,8 @@ def run_bench(
             runs.setdefault(label, []).append(run_local(job, nodes, node_speeds, show_progress=show_progress))
             if eval_set is not None and round_ == 0:
                 after[label] = perplexity(out, eval_set)
+    if not runs:  # hf-tp alone, and it could not run
+        raise XronosError("; ".join(f"{label} cannot run: {why}" for label, why in failed.items()))
     seconds = {label: [r.mean_step_seconds for r in reports] for label, reports in runs.items()}
     reports = {label: runs[label][median_round(seconds[label])] for label in runs}
     return BenchResult(
@@ -147,7 +173,29 @@ def run_bench(
         round_idle={label: [r.idle_ratio for r in rs] for label, rs in runs.items()},
         round_layouts={label: [describe_layout(r.split, r.stages) for r in rs] for label, rs in runs.items()},
         round_reports=runs if rounds > 1 else {},
+        failed=failed,
     )
+
+
+def _run_reference(
+    job: JobOptions,
+    speeds: list[float],
+    runs: dict[str, list[RunReport]],
+    failed: dict[str, str],
+    show_progress: bool,
+    round_text: str,
+) -> None:
+    """One round of hf-tp into `runs`, or why it cannot run into `failed` (the other modes run on)."""
+    print(
+        f"bench: {HF_TP} (transformers' tp_plan) on {len(speeds)} device(s) at speeds {speeds}{round_text}", flush=True
+    )
+    os.sync()
+    try:
+        runs.setdefault(HF_TP, []).append(run_hf_tp(job, speeds, show_progress=show_progress))
+    except XronosError as err:
+        failed[HF_TP] = str(err)
+        runs.pop(HF_TP, None)
+        print(f"bench: {HF_TP} failed: {err}", flush=True)
 
 
 def compute_stall(node, measured_steps: int) -> float:
@@ -160,6 +208,11 @@ def _ratio_text(rounds: dict[str, list[float]], mode: str, base: str) -> str:
     ratios = round_ratios(rounds, mode, base)
     text = f"{statistics.median(ratios):.2f}"
     return text if len(ratios) == 1 else f"{text} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def _layout(label: str, r: RunReport) -> str:
+    text = describe_layout(r.split, r.stages)
+    return f"tp_plan auto: {text}" if label == HF_TP else text
 
 
 def print_bench(result: BenchResult) -> None:
@@ -185,9 +238,15 @@ def print_bench(result: BenchResult) -> None:
         vs_tp = _ratio_text(rounds, mode, "tp") if "tp" in reports else "-"
         vs_ideal = f"{r.mean_step_seconds / ideal:.2f}" if ideal else "-"
         ppl = f"{result.perplexity_after[mode]:.3f}" if mode in result.perplexity_after else "-"
+        idle = "-" if mode == HF_TP else f"{r.idle_ratio:.1%}"  # its collectives are not timed
         print(
-            f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>{width}} {vs_ideal:>8} {r.idle_ratio:>6.1%} {ppl0:>10} {ppl:>9}  {describe_layout(r.split, r.stages)}"
+            f"{mode:<8} {r.mean_step_seconds:>7.3f} {vs_tp:>{width}} {vs_ideal:>8} {idle:>6} {ppl0:>10} {ppl:>9}  {_layout(mode, r)}"
         )
+    for label, why in result.failed.items():
+        print(f"{label:<8} failed: {why}")
+    if HF_TP in reports and "single" in reports:
+        diff = loss_difference(reports[HF_TP].losses, reports["single"].losses)
+        print(f"{HF_TP} losses vs single, step by step: max relative difference {diff:.1e}")
     if n_rounds > 1:
         print(
             "\nstep seconds by round: "
@@ -203,6 +262,10 @@ def print_bench(result: BenchResult) -> None:
         " segment ends, inside comm)"
     )
     for mode, r in reports.items():
+        if mode == HF_TP:
+            steps = "  ".join(f"[{n.speed:g}] step {n.compute_seconds / r.measured_steps:.2f}" for n in r.nodes)
+            print(f"{mode:<8} {steps}  (collectives inside DTensor's ops: not timed)")
+            continue
         per = "  ".join(
             node_seconds(n, r.measured_steps)
             + (f" stall {compute_stall(n, r.measured_steps):+.0%}" if n.predicted_compute_seconds else "")
@@ -214,6 +277,12 @@ def print_bench(result: BenchResult) -> None:
     collectives = [f"{mode} {r.collective.describe()}" for mode, r in reports.items() if r.collective]
     if collectives:
         print("\n" + "\n".join(collectives))
+    xronos_choice = reports["xronos"].layout_choice if "xronos" in reports else None
+    if xronos_choice is not None:
+        print(f"\nxronos layout (its median round): {xronos_choice.describe()}")
+        chosen = [r.layout_choice.chosen.describe() for r in result.round_reports.get("xronos", []) if r.layout_choice]
+        if len(set(chosen)) > 1:  # the rounds chose differently
+            print("xronos layouts by round: " + "; ".join(chosen))
     if "xronos" in reports and reports["xronos"].replans:
         print("\nxronos (its median round), rank order:\n" + "\n".join(replan_lines(reports["xronos"])))
     if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:
@@ -241,7 +310,7 @@ def write_chart(result: BenchResult, path: str) -> None:
     labels, compute, comm, idle = [], [], [], []
     for m in modes:
         r = reports[m]
-        for n in r.nodes:
+        for n in r.nodes if m != HF_TP else []:  # its step is not broken down
             labels.append(f"{m}\n{n.speed:g}")
             compute.append(n.compute_seconds / r.measured_steps)
             comm.append(n.comm_seconds / r.measured_steps)

@@ -124,16 +124,27 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _names(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """A comma-separated list of distinct names out of `allowed`."""
+    names = tuple(t.strip() for t in text.split(","))
+    unknown = [t for t in names if t not in allowed]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what} {unknown[0]!r} (choose from {','.join(allowed)})")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a {what} is named twice in {text!r}")
+    return names
+
+
 def _lora_targets(text: str) -> tuple[str, ...]:
     from xronos.contract.lora import LORA_TARGETS
 
-    targets = tuple(t.strip() for t in text.split(","))
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown projection {unknown[0]!r} (choose from {','.join(LORA_TARGETS)})")
-    if len(set(targets)) != len(targets):
-        raise argparse.ArgumentTypeError(f"a projection is named twice in {text!r}")
-    return targets
+    return _names(text, LORA_TARGETS, "projection")
+
+
+def _layouts(text: str) -> tuple[str, ...]:
+    from xronos.contract.choice import LAYOUTS
+
+    return _names(text, LAYOUTS, "layout")
 
 
 def _split(text: str) -> dict[str, list]:
@@ -179,6 +190,14 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="xronos mode: check the split against the measured compute every this many timed steps "
         "(re-shard for a predicted 3%% gain, or 1%% that two checks in a row find; after 8 checks, only when a "
         "device's pace drifts over 10%% for several steps; at most 6 re-shards; 0: never)",
+    )
+    p.add_argument(
+        "--layouts",
+        type=_layouts,
+        default=("tp", "pp", "single"),
+        metavar="LIST",
+        help="xronos mode: the layouts to choose among by the job's predicted time, start-up included "
+        "(default tp,pp,single: uneven TP on the best devices or even TP, the pipeline, the fastest device alone)",
     )
     p.add_argument(
         "--collective",
@@ -262,6 +281,7 @@ def _job_from_args(args):
         resume=args.resume,
         micro_batches=args.micro_batches,
         replan_after=args.replan_after,
+        layouts=args.layouts,
         collective=args.collective,
         collective_timeout=args.collective_timeout,
         lora=_lora_from_args(args),
@@ -414,17 +434,17 @@ def cmd_schema(args) -> int:
 
 def cmd_bench(args) -> int:
     from edge_node.preflight import job_inputs
-    from xronos.bench import print_bench, run_bench, save_json, write_chart
+    from xronos.bench import BENCH_MODES, print_bench, run_bench, save_json, write_chart
     from xronos.contract.job import MODES
 
     modes = [m.strip() for m in args.modes.split(",")]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in BENCH_MODES]
     if unknown:
-        raise XronosError(f"unknown mode {unknown[0]!r} in --modes (choose from {', '.join(MODES)})")
+        raise XronosError(f"unknown mode {unknown[0]!r} in --modes (choose from {', '.join(BENCH_MODES)})")
     speeds = args.speeds or [1.0] * args.nodes
     if args.lora is not None and "pp" in modes:
         raise XronosError("--lora is not supported in mode pp: leave pp out of --modes")
-    args.mode = modes[0]
+    args.mode = next((m for m in modes if m in MODES), "tp")  # the job's options; hf-tp is a bench reference
     _check_cluster_args(args, speeds)
     base = _job_from_args(args)
     if args.rounds < 1:
@@ -705,7 +725,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_options(bench)
     bench.add_argument("--nodes", type=_whole(1, MAX_NODES), default=3)
     bench.add_argument("--speeds", type=_speeds)
-    bench.add_argument("--modes", default="xronos,tp,single", help="comma-separated modes to compare")
+    bench.add_argument(
+        "--modes",
+        default="xronos,tp,single",
+        help="comma-separated modes to compare: single, tp, xronos, pp, and hf-tp, transformers' own "
+        "tensor parallelism (tp_plan='auto' on gloo) on the same devices and rows, a reference that is "
+        "not in the default (its steps are slower than tp's)",
+    )
     bench.add_argument(
         "--pp-micro-batches",
         type=_positive_ints,

@@ -39,6 +39,8 @@ def print_report(report: RunReport) -> None:
         )
     if report.collective is not None:
         print(report.collective.describe())
+    if report.layout_choice is not None:
+        print(f"layout: {report.layout_choice.describe()}")
     for e in report.excluded:
         speed = "-" if e.speed is None else f"{e.speed:g}"
         print(f"left out: {f'node {e.name}' if e.name else f'device {e.device}'} (speed {speed}): {e.reason}")

@@ -32,6 +32,11 @@ class RankAssignment(BaseModel):
     profiles: list[DeviceProfile] | None = Field(
         None, description="Mode xronos: the participants' profiles in rank order, for re-planning."
     )
+    plain: bool = Field(
+        False,
+        description="Train the plain Hugging Face model on this one rank (mode xronos chose the fastest device "
+        "alone: the job is shorter without spreading it).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RankAssignment:
@@ -57,4 +62,6 @@ class RankAssignment(BaseModel):
                 raise ValueError(f"stages {self.stages} are not consecutive layer ranges from layer 0")
         if self.profiles is not None and len(self.profiles) != self.world_size:
             raise ValueError(f"{len(self.profiles)} profiles for world size {self.world_size}")
+        if self.plain and (self.world_size != 1 or self.split is None):
+            raise ValueError("a plain model trains on one rank with its whole split")
         return self

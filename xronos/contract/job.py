@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from xronos.contract.choice import LAYOUTS, Layout
 from xronos.contract.lora import LoraOptions
 
 Mode = Literal["single", "tp", "xronos", "pp"]
@@ -95,6 +96,14 @@ class JobOptions(BaseModel):
         "for the rest of the job, only when a device's measured compute drifts over 10% from the plan in "
         "every step of the last few (at most 6 re-shards in all; 0: never).",
     )
+    layouts: tuple[Layout, ...] = Field(
+        LAYOUTS,
+        min_length=1,
+        max_length=len(LAYOUTS),
+        description="Mode xronos: the layouts its planner chooses among, by the job's predicted time (start-up "
+        "included): `tp` (uneven tensor parallelism on the best set of devices, or the even split over all), "
+        "`pp` (the pipeline plan; not for LoRA), `single` (the fastest device alone, the plain model).",
+    )
     micro_batches: int | None = Field(
         None, ge=1, le=MAX_BATCH, description="Pipeline mode: micro-batches per step (default: batch_size)."
     )
@@ -134,6 +143,8 @@ class JobOptions(BaseModel):
             raise ValueError("--merge needs --lora (it merges the trained adapter into the model)")
         if self.lora is not None and self.mode == "pp":
             raise ValueError("--lora is not supported in mode pp: use mode xronos, tp or single")
+        if len(set(self.layouts)) != len(self.layouts):
+            raise ValueError(f"--layouts {','.join(self.layouts)} names a layout twice")
         if self.resume_step is not None and not self.resume:
             raise ValueError(f"resume_step {self.resume_step} needs resume (it names the checkpoint to resume from)")
         if self.resume_step is not None and self.resume_step >= self.steps:

@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from xronos.contract.choice import LayoutChoice
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.splits import ModelDims, ShardSplit
 
@@ -89,6 +90,39 @@ class CollectiveChoice(BaseModel):
         return f"all-reduce {'by the ring' if self.hub_rank is None else f'through rank {self.hub_rank}'}{measured}"
 
 
+TIMELINE_EVENTS = (
+    "imports",
+    "profiled",
+    "plan_received",
+    "process_group",
+    "model_loaded",
+    "collective_chosen",
+    "barrier",
+    "first_step",
+    "second_step",
+    "reshard",
+    "last_step",
+    "saved",
+)
+"""A worker's timeline events, in the order they occur (`TimelineEvent`)."""
+
+
+class TimelineEvent(BaseModel):
+    """A start-up phase (or a re-shard) of one worker ending: `at_seconds` after its process started.
+
+    Names, in the order they occur: `imports`, `profiled` and `plan_received` (profiled modes),
+    `process_group`, `model_loaded`, `collective_chosen` (TP modes on more than one rank), `barrier`,
+    `first_step`, `second_step`, `reshard` (each, with its
+    `seconds`), `last_step`, `saved`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    at_seconds: float
+    seconds: float | None = None
+    """How long the phase took, where it is not simply the time since the previous event (a re-shard)."""
+
+
 class RankResult(BaseModel):
     """What one worker measured, written by the worker at the end of a job."""
 
@@ -110,6 +144,10 @@ class RankResult(BaseModel):
     vocabulary segment (`edge_node.tp.comm`)."""
     collective: CollectiveChoice | None = None
     """Tensor-parallel modes on more than one rank."""
+    started_at: float | None = None
+    """When the worker process started (Unix time), the origin of its `timeline`."""
+    timeline: list[TimelineEvent] = []
+    """When the worker's start-up phases, first steps, re-shards, last step and save ended."""
 
 
 class ExcludedDevice(BaseModel):
@@ -144,6 +182,13 @@ class NodeReport(BaseModel):
     slowest device's compute in that segment minus its own (summed over the layers first, so a lower
     bound): waiting at the segments' all-reduces that the step-level idle does not see (a device
     idle in one segment and the slowest in another), counted in its communication."""
+    segment_seconds: tuple[float, float, float] | None = None
+    """Tensor-parallel modes on more than one rank: of `compute_seconds`, the seconds in the attention and
+    MLP segments of all layers and in the vocabulary segment (the rest: embedding, AdamW, the framework)."""
+    started_at: float | None = None
+    """When the device's worker process started (Unix time), the origin of its `timeline`."""
+    timeline: list[TimelineEvent] = []
+    """When the worker's start-up phases, first steps, re-shards, last step and save ended (`RankResult`)."""
 
 
 class RunReport(BaseModel):
@@ -174,6 +219,8 @@ class RunReport(BaseModel):
     device's profile the plan was made from, in device order (left-out devices too), so that
     `xronos plan --profiles REPORT` re-derives a xronos plan and its predictions without hunting
     for them in the profile cache."""
+    layout_choice: LayoutChoice | None = None
+    """Mode xronos: the layouts its planner priced by the job's predicted time, the chosen one first."""
 
 
 WARMUP_STEPS = 2
@@ -296,6 +343,11 @@ def build_report(
                 param_bytes=r.param_bytes,
                 peak_rss_bytes=r.peak_rss_bytes,
                 segment_wait_seconds=sum(waits[k][rank] for k in steps) if waits else None,
+                segment_seconds=tuple(sum(r.segment_seconds[k][i] for k in steps) for i in range(3))
+                if timed_segments
+                else None,
+                started_at=r.started_at,
+                timeline=r.timeline,
             )
         )
     return RunReport(

@@ -152,7 +152,7 @@ def result_parts(
 ) -> list[NodeResult]:
     """A node's result as messages of at most `part_bytes` each: one when it fits, else runs of the
     per-step series (PER_STEP_FIELDS) in order, the other fields repeated (the re-plan checks, at
-    most a few, in the first part only)."""
+    most a few, and the timeline in the first part only)."""
     whole = NodeResult(job_id=job_id, node_id=node_id, ok=True, result=result, attempt=attempt)
     size = len(RESULT.encode(whole))
     if size <= part_bytes:
@@ -171,6 +171,7 @@ def result_parts(
                     update={
                         **{f: _run_of(getattr(result, f), i, parts) for f in PER_STEP_FIELDS},
                         "replans": result.replans if i == 0 else [],
+                        "timeline": result.timeline if i == 0 else [],
                     }
                 ),
             )
@@ -197,7 +198,7 @@ def join_result_parts(parts: list[NodeResult]) -> RankResult:
     results = [m.result for m in ordered if m.result is not None]
     return results[0].model_copy(
         update={f: [x for r in results for x in getattr(r, f)] for f in PER_STEP_FIELDS}
-        | {"replans": [c for r in results for c in r.replans]}
+        | {"replans": [c for r in results for c in r.replans], "timeline": [e for r in results for e in r.timeline]}
     )
 
 

@@ -17,7 +17,7 @@ from xronos.contract.job import MAX_EVERY, JobOptions
 from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.splits import ModelDims
-from xronos.planner.cost_model import lora_factor_params
+from xronos.planner.cost_model import trained_count
 from xronos.planner.job_plan import JobPlan
 
 CHECKPOINT_SHARE = 0.05
@@ -32,25 +32,6 @@ DISK_BYTES_PER_SECOND = 50e6
 """Sequential writes of eMMC or an SD card (class A1/U3), where an edge device keeps its checkpoints."""
 CHECKPOINT_FIXED_SECONDS = 0.2
 """Per checkpoint whatever its size: opening and fsyncing a dozen files and directories, the manifest."""
-
-
-def parameter_count(dims: ModelDims) -> int:
-    """Parameters of a Llama-family model of these sizes (biases, which some families add, are
-    negligible and not counted)."""
-    h = dims.hidden_size
-    attention = h * dims.head_dim * 2 * (dims.num_heads + dims.num_kv_heads)  # q and o; k and v
-    layer = attention + 3 * h * dims.intermediate_size + 2 * h  # + gate, up, down; two norms
-    embeddings = (1 if dims.tie_word_embeddings else 2) * dims.vocab_size * h
-    return dims.num_layers * layer + embeddings + h  # + the final norm
-
-
-def trained_count(dims: ModelDims, lora: LoraOptions | None = None) -> int:
-    """Parameters a checkpoint holds: the whole model's, or with LoRA only the adapter's factors (the
-    frozen base is the `--model` every node has)."""
-    if lora is None:
-        return parameter_count(dims)
-    replicated, per_group, per_block = lora_factor_params(dims, lora)
-    return replicated + per_group * dims.num_kv_heads + per_block * (dims.intermediate_size // dims.mlp_block)
 
 
 def checkpoint_seconds(

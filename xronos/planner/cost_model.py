@@ -37,8 +37,15 @@ RUNTIME_BYTES = 400 * 2**20
 
 
 def allreduces_per_step(dims: ModelDims) -> int:
-    """Per micro-batch: 2 forward + 2 backward per layer, the embedding's sum, the final norm's gradient."""
+    """Per micro-batch, of an activation's size: 2 forward + 2 backward per layer, the embedding's sum, the
+    final norm's gradient (the cross-entropy's two more are a value per token: LOSS_ALLREDUCES)."""
     return 4 * dims.num_layers + 2
+
+
+LOSS_ALLREDUCES = 2
+"""The vocabulary-parallel cross-entropy's all-reduces per micro-batch (the rows' maxima, then their sums
+and target logits): a few values per token, so latency alone; on a throttled device that latency is
+most of an all-reduce's cost."""
 
 
 def payload_mib(dims: ModelDims, micro_batch: int, seq_len: int) -> float:
@@ -48,7 +55,8 @@ def payload_mib(dims: ModelDims, micro_batch: int, seq_len: int) -> float:
 def collective_seconds(p: DeviceProfile, dims: ModelDims) -> float:
     """This device's cost for one step's all-reduces (what every participant waits for)."""
     mib = payload_mib(dims, p.shape.micro_batch, p.shape.seq_len)
-    return allreduces_per_step(dims) * (p.allreduce_latency_seconds + mib * p.allreduce_seconds_per_mib)
+    activations = allreduces_per_step(dims) * (p.allreduce_latency_seconds + mib * p.allreduce_seconds_per_mib)
+    return activations + LOSS_ALLREDUCES * p.allreduce_latency_seconds
 
 
 def group_mib(dims: ModelDims) -> float:
@@ -153,6 +161,25 @@ def lora_factor_params(dims: ModelDims, lora: LoraOptions) -> tuple[int, int, in
     per_group = sum(n * r for t, n in rows.items() if t in targets)
     per_block = sum(dims.mlp_block * r for t in ("gate_proj", "up_proj", "down_proj") if t in targets)
     return dims.num_layers * len(targets) * r * h, dims.num_layers * per_group, dims.num_layers * per_block
+
+
+def parameter_count(dims: ModelDims) -> int:
+    """Parameters of a Llama-family model of these sizes (biases, which some families add, are
+    negligible and not counted)."""
+    h = dims.hidden_size
+    attention = h * dims.head_dim * 2 * (dims.num_heads + dims.num_kv_heads)  # q and o; k and v
+    layer = attention + 3 * h * dims.intermediate_size + 2 * h  # + gate, up, down; two norms
+    embeddings = (1 if dims.tie_word_embeddings else 2) * dims.vocab_size * h
+    return dims.num_layers * layer + embeddings + h  # + the final norm
+
+
+def trained_count(dims: ModelDims, lora: LoraOptions | None = None) -> int:
+    """Parameters a checkpoint holds: the whole model's, or with LoRA only the adapter's factors (the
+    frozen base is the `--model` every node has)."""
+    if lora is None:
+        return parameter_count(dims)
+    replicated, per_group, per_block = lora_factor_params(dims, lora)
+    return replicated + per_group * dims.num_kv_heads + per_block * (dims.intermediate_size // dims.mlp_block)
 
 
 def unit_bytes(

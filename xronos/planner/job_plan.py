@@ -2,9 +2,12 @@
 
 One pure function for both front ends: the local launcher (`xronos run`) and
 the MQTT controller call `plan_job` with the profiles in device order and hand
-the answer to their workers. `xronos` plans with the exact partitioner, `pp`
-with the exact pipeline planner, `tp` is the even split over every device,
-`single` wants exactly one device.
+the answer to their workers. `pp` plans with the exact pipeline planner, `tp`
+is the even split over every device, `single` wants exactly one device.
+`xronos` prices the layouts the job allows (`JobOptions.layouts`) by the job's
+predicted time (`xronos.planner.job_time`): uneven TP on the partitioner's best
+set of devices and the even split over all, the pipeline plan, and the fastest
+device alone with the plain model; it keeps the shortest.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from xronos.contract.assignment import RankAssignment
+from xronos.contract.choice import Layout, LayoutCandidate, LayoutChoice
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import ExcludedDevice, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims, ShardSplit
 from xronos.planner.cost_model import device_compute, split_step_seconds
-from xronos.planner.partitioner import plan_partition
+from xronos.planner.job_time import choose, startup_seconds, steps_left
+from xronos.planner.partitioner import fits_memory, plan_partition
 from xronos.planner.pipeline_plan import plan_pipeline
 from xronos.planner.planning import even_split, split_for_mode
 
@@ -40,6 +45,10 @@ class JobPlan(BaseModel):
     """Mode xronos: the idle ratio the partitioner predicted for its split."""
     optimal: bool = True
     """False when the partitioner's time cap cut the search short (memory binding on many devices)."""
+    plain: bool = False
+    """One device trains the plain Hugging Face model (mode xronos chose the fastest device alone)."""
+    choice: LayoutChoice | None = None
+    """Mode xronos: the layouts it priced, the chosen one first."""
 
     @property
     def members(self) -> list[int]:
@@ -64,38 +73,17 @@ class JobPlan(BaseModel):
             stages=self.stages,
             micro_batches=self.micro_batches,
             profiles=self.profiles,
+            plain=self.plain,
         )
 
 
 def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan:
     """The layout of `job` over devices with these profiles (all measured at the job's shapes)."""
     n = len(profiles)
-    micro_batch = job.batch_size // job.grad_accum
     if job.mode == "pp":
-        plan = plan_pipeline(profiles, dims, job.batch_size, job.micro_batches or job.batch_size)
-        ranks = [plan.devices.index(d) if d in plan.devices else None for d in range(n)]
-        return JobPlan(
-            ranks=ranks,
-            reasons=[None if r is not None else "a faster pipeline leaves it out" for r in ranks],
-            stages=plan.stages,
-            micro_batches=plan.micro_batches,
-            predicted=[s * plan.micro_batches for s in plan.stage_seconds],
-            predicted_step_seconds=plan.predicted_step_seconds,
-        )
+        return pipeline_plan(job, dims, profiles)
     if job.mode == "xronos":
-        partition = plan_partition(profiles, dims, micro_batch, job.seq_len, lora=job.lora)
-        ranks = [d.rank for d in partition.devices]
-        members = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
-        return JobPlan(
-            ranks=ranks,
-            reasons=[c.reason for c in partition.devices],
-            split=partition.split,
-            profiles=[profiles[d] for d in members],
-            predicted=[partition.devices[d].compute_seconds * job.grad_accum for d in members],
-            predicted_step_seconds=partition.predicted_step_seconds * job.grad_accum,
-            optimal=partition.optimal,
-            predicted_idle_ratio=partition.predicted_idle_ratio,
-        )
+        return chosen_plan(job, dims, profiles)
     if job.mode == "single" and n != 1:
         raise XronosError(f"mode single trains on one device, not {n}")
     split = split_for_mode("single", dims, 1, None) if job.mode == "single" else even_split(dims, n)
@@ -106,6 +94,134 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
         predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, split.shares())],
         predicted_step_seconds=split_step_seconds(profiles, dims, split) * job.grad_accum,
     )
+
+
+def pipeline_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan:
+    """The exact pipeline plan: the fastest stages over device subsets and orders."""
+    plan = plan_pipeline(profiles, dims, job.batch_size, job.micro_batches or job.batch_size)
+    ranks = [plan.devices.index(d) if d in plan.devices else None for d in range(len(profiles))]
+    return JobPlan(
+        ranks=ranks,
+        reasons=[None if r is not None else "a faster pipeline leaves it out" for r in ranks],
+        stages=plan.stages,
+        micro_batches=plan.micro_batches,
+        predicted=[s * plan.micro_batches for s in plan.stage_seconds],
+        predicted_step_seconds=plan.predicted_step_seconds,
+    )
+
+
+def partition_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan:
+    """Uneven TP: the partitioner's minimum-step split over its best set of devices."""
+    partition = plan_partition(profiles, dims, job.batch_size // job.grad_accum, job.seq_len, lora=job.lora)
+    ranks = [d.rank for d in partition.devices]
+    members = [d for _, d in sorted((r, d) for d, r in enumerate(ranks) if r is not None)]
+    return JobPlan(
+        ranks=ranks,
+        reasons=[c.reason for c in partition.devices],
+        split=partition.split,
+        profiles=[profiles[d] for d in members],
+        predicted=[partition.devices[d].compute_seconds * job.grad_accum for d in members],
+        predicted_step_seconds=partition.predicted_step_seconds * job.grad_accum,
+        optimal=partition.optimal,
+        predicted_idle_ratio=partition.predicted_idle_ratio,
+    )
+
+
+def _fits(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile], split: ShardSplit) -> bool:
+    """Whether every device (rank order) holds its share of `split` in its memory."""
+    shares = [(kv, mlp // dims.mlp_block, vocab // dims.vocab_block) for kv, mlp, vocab in split.shares()]
+    return fits_memory(
+        profiles,
+        dims,
+        job.batch_size // job.grad_accum,
+        job.seq_len,
+        list(range(len(profiles))),
+        [(kv, None) for kv, _, _ in shares],
+        [m for _, m, _ in shares],
+        [v for _, _, v in shares],
+        job.lora,
+    )
+
+
+def even_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan | None:
+    """Even TP over every device (None when a device cannot hold its share)."""
+    split = even_split(dims, len(profiles))
+    if not _fits(job, dims, profiles, split):
+        return None
+    n = len(profiles)
+    return JobPlan(
+        ranks=list(range(n)),
+        reasons=[None] * n,
+        split=split,
+        profiles=profiles,
+        predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, split.shares())],
+        predicted_step_seconds=split_step_seconds(profiles, dims, split) * job.grad_accum,
+    )
+
+
+def alone_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan | None:
+    """The fastest device that holds the whole model, alone with the plain model (None: none holds it)."""
+    split = split_for_mode("single", dims, 1, None)
+    whole = split.shares()[0]
+    fitting = [d for d, p in enumerate(profiles) if _fits(job, dims, [p], split)]
+    if not fitting:
+        return None
+    device = min(fitting, key=lambda d: device_compute(profiles[d], dims, *whole))
+    step = device_compute(profiles[device], dims, *whole) * job.grad_accum
+    return JobPlan(
+        ranks=[0 if d == device else None for d in range(len(profiles))],
+        reasons=[None if d == device else "the fastest device alone is the shorter job" for d in range(len(profiles))],
+        split=split,
+        predicted=[step],
+        predicted_step_seconds=step,
+        plain=True,
+    )
+
+
+def chosen_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan:
+    """Mode xronos: each layout `job.layouts` allows, priced by the job's predicted time; the shortest.
+
+    A LoRA job does not pipeline (`JobOptions`); a layout that cannot place the model is not a candidate.
+    """
+    options: list[tuple[LayoutCandidate, JobPlan]] = []
+    errors: list[str] = []
+
+    def add(layout: Layout, build, note: str | None = None, reshards: int = 0) -> None:
+        try:
+            plan = build(job, dims, profiles)
+        except XronosError as err:
+            errors.append(f"{layout}: {err}")
+            return
+        if plan is None or (layout != "single" and len(plan.members) == 1 and "single" in job.layouts):
+            return  # on one device, the plain model is the same job with less around it
+        members = [profiles[d] for d in plan.members]
+        step = plan.predicted_step_seconds or 0.0
+        startup = startup_seconds(layout, members, dims, job, step, reshards)
+        candidate = LayoutCandidate(
+            layout=layout,
+            devices=[p.device for p in members],
+            note=note,
+            step_seconds=step,
+            startup_seconds=startup,
+            steps=steps_left(job),
+        )
+        options.append((candidate, plan))
+
+    if "tp" in job.layouts:  # either split is checked against the measured pace, and may re-shard once
+        add("tp", partition_plan, "uneven", reshards=1 if job.replan_after else 0)
+        if len(profiles) > 1:
+            add("tp", even_plan, "even", reshards=1 if job.replan_after else 0)
+    if "pp" in job.layouts and job.lora is None:
+        add("pp", pipeline_plan)
+    if "single" in job.layouts:
+        add("single", alone_plan)
+    if not options:
+        raise XronosError(errors[0] if errors else "no device, nor any group of devices, can hold this model")
+    choice = choose([c for c, _ in options])
+    plan = next(p for c, p in options if c is choice.chosen)
+    shorter = f"{choice.chosen.describe()} is the shorter job"
+    reasons = [None if rank is not None else why or shorter for rank, why in zip(plan.ranks, plan.reasons)]
+    return plan.model_copy(update={"choice": choice, "reasons": reasons})
 
 
 def planned_report(
@@ -151,8 +267,9 @@ def with_predictions(
         "predicted_step_seconds": plan.predicted_step_seconds,
         "predicted_idle_ratio": plan.predicted_idle_ratio,
         "profiles": profiles,
+        "layout_choice": plan.choice,
     }
-    if report.split is not None and job.mode != "pp":
+    if report.split is not None and plan.stages is None:
         members = [profiles[d] for d in plan.members]
         update["predicted_step_seconds"] = split_step_seconds(members, dims, report.split) * job.grad_accum
         update["nodes"] = [
