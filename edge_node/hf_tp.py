@@ -89,7 +89,7 @@ def run_hf_tp(job: JobOptions, speeds: list[float], threads: int = 1, show_progr
     """Train `job` with transformers' TP on one worker per speed; the report is labelled `hf-tp`."""
     from edge_node.launcher import LocalWorkers, _watch
 
-    world = len(speeds)
+    started, world = time.perf_counter(), len(speeds)
     dims, rows, _ = job_inputs(job)
     check_plan(job, dims, world)
     local = LocalWorkers(rows, list(speeds), threads, show_progress)
@@ -109,7 +109,8 @@ def run_hf_tp(job: JobOptions, speeds: list[float], threads: int = 1, show_progr
             local.start(spec, device, module="edge_node.hf_tp").rank = device
         _watch(local.workers, Path(job.output))
         results = [local.result(d) for d in range(world)]
-        return build_report(HF_TP, hf_split(dims, world), list(speeds), results)
+        report = build_report(HF_TP, hf_split(dims, world), list(speeds), results)
+        return report.model_copy(update={"job_seconds": time.perf_counter() - started})
     finally:
         local.close()
 

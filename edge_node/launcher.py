@@ -164,6 +164,7 @@ def run_local(
     `metrics_port + d` while the run lasts, as a node agent would. `memory_caps` (GiB per device)
     is the memory each device's profile reports to the planner (default: the free memory, shared).
     """
+    started = time.perf_counter()
     if speeds is not None and len(speeds) != nodes:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {nodes}")
     if speeds is not None and any(s <= 0 for s in speeds):
@@ -240,10 +241,19 @@ def run_local(
             tick()
         results = [local.result(d) for d in devices]
         if plan is not None:
-            return planned_report(job, dims, plan, profiles, device_speeds, results)
-        return build_report(
-            job.mode, split, [device_speeds[d] for d in devices], results, devices, predicted, stages=stages, dims=dims
-        )
+            report = planned_report(job, dims, plan, profiles, device_speeds, results)
+        else:
+            report = build_report(
+                job.mode,
+                split,
+                [device_speeds[d] for d in devices],
+                results,
+                devices,
+                predicted,
+                stages=stages,
+                dims=dims,
+            )
+        return report.model_copy(update={"job_seconds": time.perf_counter() - started})
     finally:
         local.close()
         for feed in feeds:

@@ -75,16 +75,17 @@ def cluster(tmp_path_factory, model_dir, data_file):
             stop_processes(list(procs.values()), grace=15)
 
 
-REFERENCE: dict[int, list[float]] = {}
+REFERENCE: dict[tuple[str, int], list[float]] = {}
 
 
 def reference_losses(cluster, steps: int, tmp: Path) -> list[float]:
-    """The uninterrupted run: one process, the same data and options."""
-    if steps not in REFERENCE:
-        REFERENCE[steps] = uninterrupted(
+    """The uninterrupted run: one process, the same model, data and options."""
+    key = (str(cluster["model"]), steps)
+    if key not in REFERENCE:
+        REFERENCE[key] = uninterrupted(
             cluster["model"], cluster["data"], tmp / f"single-{steps}", steps=steps, batch_size=BATCH, seq_len=SEQ
         ).losses
-    return REFERENCE[steps]
+    return REFERENCE[key]
 
 
 def train_in_background(
@@ -318,6 +319,7 @@ def node_loss(cluster, job_id: str, mode: str, rank: int, steps: int, tmp: Path)
     watcher.loop_stop()
     watcher.disconnect()
     world = len(ranks)
+    assert world >= 2, f"the plan put the job on {ranks} alone: no node to lose it to"  # before any kill
     victim = ranks[rank % world]
     at = random.Random(job_id).randint(CHECKPOINT_EVERY + 1, steps // 2)
     wait_for(lambda: steps_done(cluster, job_id, victim) >= at, 180, f"step {at}")
@@ -353,9 +355,11 @@ def node_loss(cluster, job_id: str, mode: str, rank: int, steps: int, tmp: Path)
         restart_node(cluster, victim)
 
 
-def test_a_job_goes_on_on_the_survivors_when_a_node_of_a_non_zero_rank_dies(cluster, tmp_path):
-    """Mode xronos: the survivors are planned again from their profiles (the plan may leave a node out)."""
-    node_loss(cluster, "lose-last-rank", "xronos", -1, 40, tmp_path)
+def test_a_job_goes_on_on_the_survivors_when_a_node_of_a_non_zero_rank_dies(cluster, model_dir, tmp_path):
+    """Mode xronos: the survivors are planned again from their profiles (the plan may leave a node out). A model
+    wide enough that its TP plan spreads (the cluster's tiny one predicts steps only ~7% shorter on three devices
+    than on one, and its profiles under load can rightly keep it on one: then no node is left to lose it to)."""
+    node_loss({**cluster, "model": model_dir("gqa_wide")}, "lose-last-rank", "xronos", -1, 40, tmp_path)
 
 
 def test_a_job_goes_on_on_the_survivors_when_rank_0_s_node_dies(cluster, tmp_path):

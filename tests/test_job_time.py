@@ -121,6 +121,13 @@ def test_within_the_margin_one_device_is_chosen_and_the_report_says_why():
     assert "longer than tp on 2 devices" in choice.describe()
     clear = choose([made("tp", ["a", "b"], 0.5), alone])
     assert clear.chosen.layout == "tp" and clear.reason is None and "50% shorter than single on a" in clear.describe()
+    # an uneven split barely shorter than the even one on the same devices: the even one
+    uneven = made("tp", ["a", "b"], 0.5).model_copy(update={"note": "uneven"})
+    even = made("tp", ["a", "b"], 0.51).model_copy(update={"note": "even"})
+    near = choose([uneven, even, alone])
+    assert near.chosen is even and "margin an uneven split" in (near.reason or "")
+    far = choose([uneven, even.model_copy(update={"step_seconds": 0.6}), alone])
+    assert far.chosen is uneven and far.reason is None
 
 
 def test_a_run_that_chose_one_device_trains_the_plain_model_as_mode_single_does(tmp_path):
@@ -136,3 +143,5 @@ def test_a_run_that_chose_one_device_trains_the_plain_model_as_mode_single_does(
         base.model_copy(update={"mode": "single", "output": str(tmp_path / "s")}), 1, [1.0], show_progress=False
     )
     assert chosen.losses == single.losses  # the same plain model, the same rows: bit for bit
+    # the whole job's time, start-up included, beside the steps' (what the choice was about)
+    assert chosen.job_seconds > sum(chosen.step_seconds) and single.job_seconds > sum(single.step_seconds)

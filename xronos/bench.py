@@ -247,6 +247,33 @@ def print_bench(result: BenchResult) -> None:
     if HF_TP in reports and "single" in reports:
         diff = loss_difference(reports[HF_TP].losses, reports["single"].losses)
         print(f"{HF_TP} losses vs single, step by step: max relative difference {diff:.1e}")
+    if "single" in reports and len(reports) > 1:
+        print(
+            "step / single's (the fastest device alone), round by round: "
+            + "; ".join(f"{m} {_ratio_text(rounds, m, 'single')}" for m in reports if m != "single")
+        )
+    predicted = [
+        f"{m} {r.predicted_step_seconds / r.mean_step_seconds:.2f}"
+        for m, r in reports.items()
+        if r.predicted_step_seconds
+    ]
+    if predicted:
+        print("predicted / measured step (median round): " + "; ".join(predicted))
+    jobs = {
+        m: [r.job_seconds for r in result.round_reports.get(m, [rep]) if r.job_seconds] for m, rep in reports.items()
+    }
+    if "single" in jobs and jobs["single"]:
+        print(
+            "\nwhole job s (the launcher's start to the saved model: start-up, profiling, planning, steps, save),"
+            " by round, and / single's round by round: "
+            + "; ".join(
+                f"{m} "
+                + " ".join(f"{s:.1f}" for s in js)
+                + (f" ({_ratio_text(jobs, m, 'single')})" if m != "single" and len(js) == len(jobs["single"]) else "")
+                for m, js in jobs.items()
+                if js
+            )
+        )
     if n_rounds > 1:
         print(
             "\nstep seconds by round: "

@@ -219,6 +219,9 @@ class RunReport(BaseModel):
     device's profile the plan was made from, in device order (left-out devices too), so that
     `xronos plan --profiles REPORT` re-derives a xronos plan and its predictions without hunting
     for them in the profile cache."""
+    job_seconds: float | None = None
+    """`xronos run` and the bench: wall seconds from the launcher's start to the saved model and every worker's
+    end (checks, worker start-up, profiling, planning, training, the save), the command's own imports aside."""
     layout_choice: LayoutChoice | None = None
     """Mode xronos: the layouts its planner priced by the job's predicted time, the chosen one first."""
 
