@@ -145,3 +145,37 @@ def test_a_run_that_chose_one_device_trains_the_plain_model_as_mode_single_does(
     assert chosen.losses == single.losses  # the same plain model, the same rows: bit for bit
     # the whole job's time, start-up included, beside the steps' (what the choice was about)
     assert chosen.job_seconds > sum(chosen.step_seconds) and single.job_seconds > sum(single.step_seconds)
+
+
+def test_no_layout_is_chosen_that_the_devices_memory_cannot_hold():
+    """TinyLlama's shape (1.1B parameters) on four devices of 4 GiB: full fine-tuning fits no layout, the
+    pipeline's included (its planner prices time alone; each stage would hold ~4.4 GiB); LoRA fits."""
+    from test_lora_jobs import _profile
+    from transformers import LlamaConfig
+
+    from xronos.contract.errors import XronosError
+    from xronos.contract.splits import ModelDims
+
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
+    dims = ModelDims.from_config(config)
+    devices = [_profile(f"d{i}", 4 * 2**30) for i in range(4)]
+    big = {"model": "m", "data": "d", "output": "o", "steps": 50, "batch_size": 1, "seq_len": 128}
+    with pytest.raises(XronosError, match="has the memory"):
+        plan_job(JobOptions(**big), dims, devices)
+    with pytest.raises(XronosError, match="memory holds"):
+        plan_job(JobOptions(**big, mode="pp"), dims, devices)
+    adapted = plan_job(JobOptions(**big, lora={"r": 8}), dims, devices)
+    assert adapted.choice.chosen.layout == "tp" and len(adapted.members) >= 2
+    # four rows a step pipeline over four stages (one row a step is one stage: 1F1B needs a micro-batch per
+    # stage): ~4.4 GiB each, which devices of 8 GiB hold
+    roomy = [_profile(f"d{i}", 8 * 2**30) for i in range(4)]
+    stages = plan_job(JobOptions(**big | {"batch_size": 4}, mode="pp"), dims, roomy).stages
+    assert stages is not None and len(stages) == 4

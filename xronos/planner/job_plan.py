@@ -21,10 +21,10 @@ from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import ExcludedDevice, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims, ShardSplit
-from xronos.planner.cost_model import device_compute, split_step_seconds
+from xronos.planner.cost_model import device_compute, split_step_seconds, unit_bytes
 from xronos.planner.job_time import choose, startup_seconds, steps_left
 from xronos.planner.partitioner import fits_memory, plan_partition
-from xronos.planner.pipeline_plan import plan_pipeline
+from xronos.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from xronos.planner.planning import even_split, split_for_mode
 
 
@@ -81,7 +81,10 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
     """The layout of `job` over devices with these profiles (all measured at the job's shapes)."""
     n = len(profiles)
     if job.mode == "pp":
-        return pipeline_plan(job, dims, profiles)
+        plan = pipeline_plan(job, dims, profiles)
+        if plan is None:
+            raise XronosError("the fastest pipeline puts more layers on a device than its memory holds")
+        return plan
     if job.mode == "xronos":
         return chosen_plan(job, dims, profiles)
     if job.mode == "single" and n != 1:
@@ -96,9 +99,25 @@ def plan_job(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) ->
     )
 
 
-def pipeline_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan:
-    """The exact pipeline plan: the fastest stages over device subsets and orders."""
+def stages_fit(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile], plan: PipelinePlan) -> bool:
+    """Whether every stage's device holds its layers (the embedding on the first, the LM head on the last),
+    priced as the TP memory model prices the same parameters and activations (`unit_bytes`)."""
+    fixed, kv, mlp, vocab = unit_bytes(dims, job.batch_size // (job.micro_batches or job.batch_size), job.seq_len)
+    per_layer = (kv * dims.num_kv_heads + mlp * (dims.intermediate_size // dims.mlp_block)) / dims.num_layers
+    vocab_bytes = vocab * (dims.vocab_size // dims.vocab_block)
+    last = len(plan.stages) - 1
+    return all(
+        fixed + (hi - lo) * per_layer + vocab_bytes * ((k == 0) + (k == last)) / 2 <= profiles[d].memory_bytes
+        for k, (d, (lo, hi)) in enumerate(zip(plan.devices, plan.stages))
+    )
+
+
+def pipeline_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -> JobPlan | None:
+    """The exact pipeline plan: the fastest stages over device subsets and orders (None: a stage's device
+    cannot hold its layers; the pipeline planner prices time alone)."""
     plan = plan_pipeline(profiles, dims, job.batch_size, job.micro_batches or job.batch_size)
+    if not stages_fit(job, dims, profiles, plan):
+        return None
     ranks = [plan.devices.index(d) if d in plan.devices else None for d in range(len(profiles))]
     return JobPlan(
         ranks=ranks,
@@ -190,7 +209,7 @@ def chosen_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile])
         try:
             plan = build(job, dims, profiles)
         except XronosError as err:
-            errors.append(f"{layout}: {err}")
+            errors.append(str(err))
             return
         if plan is None or (layout != "single" and len(plan.members) == 1 and "single" in job.layouts):
             return  # on one device, the plain model is the same job with less around it
