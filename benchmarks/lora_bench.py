@@ -30,23 +30,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from edge_node.launcher import run_local
-from edge_node.toy_model import SMOL_SHAPES, make_data, make_model
+from edge_node.toy_model import ONE_B_CONFIG, SMOL_SHAPES, make_data, make_model
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import DeviceProfile, ProfileShape
 from xronos.contract.report import RunReport
 from xronos.contract.splits import ModelDims
-
-ONE_B = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    tie_word_embeddings=False,
-)
 
 
 def inputs(root: Path, seq_len: int) -> tuple[Path, Path, Path | None, str]:
@@ -78,7 +68,7 @@ def one_b_placement(cap_gib: float, devices: int, r: int) -> None:
     from xronos.planner.cost_model import unit_bytes
     from xronos.planner.partitioner import plan_partition
 
-    config = LlamaConfig(**ONE_B)
+    config = LlamaConfig(**ONE_B_CONFIG)
     dims = ModelDims.from_config(config)
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -108,7 +98,7 @@ def one_b_placement(cap_gib: float, devices: int, r: int) -> None:
         for i in range(devices)
     ]
     units = (dims.num_kv_heads, dims.intermediate_size // dims.mlp_block, dims.vocab_size // dims.vocab_block)
-    print(f"\n{params / 1e9:.2f}B-parameter Llama config ({ONE_B}), micro-batch 1 x 128 tokens,")
+    print(f"\n{params / 1e9:.2f}B-parameter Llama config ({ONE_B_CONFIG}), micro-batch 1 x 128 tokens,")
     print(f"{devices} devices capped at {cap_gib:g} GiB each ({devices * cap_gib:g} GiB in all):")
     for label, lora in (("full", None), (f"LoRA r={r}", LoraOptions(r=r))):
         fixed, *per_unit = unit_bytes(dims, 1, 128, lora)
@@ -130,8 +120,8 @@ def train_one_b(directory: Path, cap_gib: float, devices: int, r: int, steps: in
     model = directory / "model"
     if not (model / "config.json").is_file():
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**ONE_B)).save_pretrained(model)
-    data = make_data(directory / "data.jsonl", rows=8, seq_len=128, vocab=ONE_B["vocab_size"])
+        LlamaForCausalLM(LlamaConfig(**ONE_B_CONFIG)).save_pretrained(model)
+    data = make_data(directory / "data.jsonl", rows=8, seq_len=128, vocab=ONE_B_CONFIG["vocab_size"])
     print(f"\ntraining it: {devices} devices (no CPU quota), each capped at {cap_gib:g} GiB for the planner")
     for label, lora in (("full", None), (f"LoRA r={r}", LoraOptions(r=r))):
         job = JobOptions(

@@ -18,6 +18,19 @@ SMOL_SHAPES = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=491
 """`make_model` keyword arguments for SmolLM2-135M's layer shapes (the benchmarks' model, any depth)."""
 
 
+ONE_B_CONFIG = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
+"""A 1.1B-parameter Llama (TinyLlama's shape), as `LlamaConfig` fields: the model full fine-tuning cannot
+place on four 4 GiB devices and LoRA can (the LoRA bench and the planner's memory tests)."""
+
+
 def make_model(
     directory: str | Path,
     *,

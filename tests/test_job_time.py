@@ -14,7 +14,7 @@ import pytest
 from test_partitioner import DIMS, profile, speed_profiles
 
 from edge_node.launcher import run_local
-from edge_node.toy_model import make_data, make_model
+from edge_node.toy_model import ONE_B_CONFIG, make_data, make_model
 from xronos.contract.choice import LayoutCandidate
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import COMPUTE_FIELDS
@@ -156,15 +156,7 @@ def test_no_layout_is_chosen_that_the_devices_memory_cannot_hold():
     from xronos.contract.errors import XronosError
     from xronos.contract.splits import ModelDims
 
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**ONE_B_CONFIG)
     dims = ModelDims.from_config(config)
     devices = [_profile(f"d{i}", 4 * 2**30) for i in range(4)]
     big = {"model": "m", "data": "d", "output": "o", "steps": 50, "batch_size": 1, "seq_len": 128}

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from edge_node import checkpoint
 from edge_node.lora_io import ADAPTER_STEM
 from edge_node.model_io import ATTN_IMPLEMENTATION
+from edge_node.toy_model import ONE_B_CONFIG
 from tests.conftest import SEQ_LEN
 from xronos.cli import main
 from xronos.contract.errors import XronosError
@@ -286,15 +287,7 @@ def test_planner_places_with_lora_what_full_fine_tuning_cannot():
     from xronos.planner.cost_model import unit_bytes
     from xronos.planner.partitioner import plan_partition
 
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**ONE_B_CONFIG)
     dims = ModelDims.from_config(config)
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
