@@ -237,7 +237,7 @@ def test_a_node_slowed_mid_job_gets_a_smaller_share_by_a_drift_replan(tmp_path):
     # throttled: from the first step that ran wholly under the quota to the step before the re-shard
     from_count = min(c for c in by_steps if c >= throttled_after + 1)
     to_count = max(c for c in by_steps if c <= first.after_step)
-    assert to_count - from_count >= 2, (sorted(by_steps), throttled_after, first.after_step)
+    assert to_count > from_count, (sorted(by_steps), throttled_after, first.after_step)
     slowed = compute_per_step(by_steps[from_count], by_steps[to_count])
     assert slowed > 1.5 * compute_per_step({}, at_throttle), (slowed, compute_per_step({}, at_throttle))
     assert at_end["xronos_shard_mlp_columns"] == lines[-1]["mlp_columns"] and share(lines[-1], dims) < before

@@ -19,7 +19,7 @@ from xronos.contract.choice import Layout, LayoutCandidate, LayoutChoice
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
-from xronos.contract.report import ExcludedDevice, RankResult, RunReport, build_report
+from xronos.contract.report import ExcludedDevice, RankResult, RunReport, build_report, mean_idle_ratio
 from xronos.contract.splits import ModelDims, ShardSplit
 from xronos.planner.cost_model import device_compute, split_step_seconds, unit_bytes
 from xronos.planner.job_time import choose, startup_seconds, steps_left
@@ -168,13 +168,16 @@ def even_plan(job: JobOptions, dims: ModelDims, profiles: list[DeviceProfile]) -
     if not _fits(job, dims, profiles, split):
         return None
     n = len(profiles)
+    compute = [device_compute(p, dims, *s) for p, s in zip(profiles, split.shares())]
+    step = split_step_seconds(profiles, dims, split)
     return JobPlan(
         ranks=list(range(n)),
         reasons=[None] * n,
         split=split,
         profiles=profiles,
-        predicted=[device_compute(p, dims, *s) * job.grad_accum for p, s in zip(profiles, split.shares())],
-        predicted_step_seconds=split_step_seconds(profiles, dims, split) * job.grad_accum,
+        predicted=[c * job.grad_accum for c in compute],
+        predicted_step_seconds=step * job.grad_accum,
+        predicted_idle_ratio=mean_idle_ratio(compute, step),
     )
 
 
