@@ -261,7 +261,8 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     assert chosen.algorithm == ("hub" if chosen.hub_seconds < chosen.ring_seconds else "ring")
     assert chosen.hub_rank is None or 0 <= chosen.hub_rank < ranks
     assert report.predicted_idle_ratio is not None and 0 <= report.predicted_idle_ratio < 1  # the plan's
-    # the report keeps the profiles it planned with: `xronos plan` on it predicts the same idle
+    # the report keeps the profiles it planned with: `xronos plan` on it gives the partitioner's (uneven) plan the
+    # job priced, and the same idle when the job ran it (the even split wins when uneven is not 3% shorter)
     assert len(report.profiles) == 3
     (tmp_path / "report.json").write_text(report.model_dump_json())
     capsys.readouterr()
@@ -269,4 +270,8 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
         main(["plan", "--profiles", str(tmp_path / "report.json"), "--model", str(model_dir("gqa_wide")), "--json"])
         == 0
     )
-    assert json.loads(capsys.readouterr().out)["predicted_idle_ratio"] == pytest.approx(report.predicted_idle_ratio)
+    offline = json.loads(capsys.readouterr().out)
+    uneven = next(c for c in report.layout_choice.candidates if c.note == "uneven")
+    assert offline["predicted_step_seconds"] == pytest.approx(uneven.step_seconds)
+    if report.layout_choice.chosen is uneven:
+        assert offline["predicted_idle_ratio"] == pytest.approx(report.predicted_idle_ratio)
