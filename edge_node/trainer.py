@@ -480,6 +480,8 @@ class Trainer:
                 )
             )
         new_split, calibrated, predicted, gain = as_json.validate_json(broadcast_bytes(decision))
+        if self.replan_checks == 1:  # the job's own profiles, measured against its first steps
+            self.forget_stale_profile(measured[self.rank].total, predicted[self.rank])
         changed = new_split != self.assignment.split
         accum = self.job.grad_accum
         started = time.perf_counter()
@@ -500,15 +502,32 @@ class Trainer:
         self.replans[-1] = self.replans[-1].model_copy(update={"reshard_seconds": time.perf_counter() - started})
         self.timeline.mark("reshard", self.replans[-1].reshard_seconds)
 
+    def forget_stale_profile(self, measured: float, predicted: float) -> None:
+        """Drop this device's cached profile when its first check found it far off (`forget_if_stale`): the
+        re-plan corrects this job, the next one profiles afresh rather than plan with it again."""
+        from edge_node.profiler import forget_if_stale
+
+        own = self.profiles[self.rank]
+        if forget_if_stale(own, measured, predicted, self.lora):
+            print(
+                f"xronos: {own.device}'s cached profile predicted {predicted:.3f} s of compute per micro-step, "
+                f"its steps measured {measured:.3f} s: dropped from the cache (the next job profiles it afresh)",
+                file=sys.stderr,
+            )
+
     def min_replan_gain(self, step_seconds: float) -> float:
         """The gain this check needs to re-shard: `xronos.planner.replan.min_replan_gain`, and at least
-        what pays the last re-shard's seconds back over the steps left (`payback_gain`)."""
+        what pays a re-shard's seconds back over the steps left (`payback_gain`): the last one's, or before
+        any, the estimate the layout's job time was priced with (`xronos.planner.job_time.reshard_seconds`).
+        Counted free, a 320M-parameter model's first re-shard took 9.0 s to save 7.6% of 4.1 s steps over
+        the 8 its 12-step job had left (2.5 s; issue 36, docs/benchmarks.md)."""
+        from xronos.planner.job_time import reshard_seconds
         from xronos.planner.replan import min_replan_gain, payback_gain
 
         last = self.last_check
         kept_gain = last.predicted_gain if last is not None and last.new_split is None else None
         timed = [c.reshard_seconds for c in self.replans if c.reshard_seconds is not None]
-        cost = timed[-1] if timed else None
+        cost = timed[-1] if timed else reshard_seconds(self.profiles, self.dims, self.job)
         steps_left = self.job.steps - self.start_step - len(self.step_seconds)
         return max(
             min_replan_gain(kept_gain, cost, step_seconds, steps_left), payback_gain(cost, step_seconds, steps_left)

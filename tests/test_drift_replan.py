@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 from live_cluster import node_process, train_by_command, uninterrupted, wait_for, xronos_process
 from prometheus_client.parser import text_string_to_metric_families
+from test_partitioner import DIMS, speed_profiles
 from transformers import AutoModelForCausalLM
 
 from edge_node.cpu_quota import CGROUP_V1_CPU, cgroup_quota_available
@@ -35,7 +36,8 @@ from edge_node.worker_process import free_port, stop_processes
 from xronos.contract.job import JobOptions
 from xronos.contract.report import ReplanCheck, RunReport, drifted
 from xronos.mosquitto import Mosquitto
-from xronos.planner.replan import payback_gain
+from xronos.planner.job_time import reshard_seconds
+from xronos.planner.replan import MIN_REPLAN_GAIN, payback_gain
 
 NODES = ("drift-a", "drift-b", "drift-c")
 """Ids no other test's nodes have: an agent starting removes the empty cpu groups of its id's earlier
@@ -101,9 +103,24 @@ def test_drift_is_beyond_the_threshold_either_way_and_a_reshard_must_pay_back():
     assert drifted(1.2) and drifted(1 / 1.2) and not drifted(1.05) and not drifted(0.95) and not drifted(0.0)
     check = ReplanCheck(after_step=9, measured_compute_seconds=[0.1, 0.3, 0.0], predicted_compute_seconds=[0.1] * 3)
     assert check.drift() == pytest.approx([1.0, 3.0, 1.0])
-    assert payback_gain(None, 0.5, 10) == 0.0  # no re-shard timed yet: in memory, counted free
+    assert payback_gain(None, 0.5, 10) == 0.0  # no cost given: counted free
     assert payback_gain(0.5, 1.0, 10) == pytest.approx(0.05)  # above MIN_REPLAN_GAIN: not capped
     assert payback_gain(0.5, 1.0, 0) == 1.0
+
+
+def test_a_first_reshard_must_pay_back_the_estimate_the_job_was_priced_with():
+    """Before any re-shard has been timed, a check prices one as the layout's job time did: counted free, a
+    320M-parameter model's first re-shard took 9.0 s to save 2.5 s over the 8 steps its job had left."""
+    t = _trainer(4)
+    t.dims = DIMS.model_copy(update={"hidden_size": 2048, "intermediate_size": 5632, "vocab_size": 32000})
+    t.assignment = SimpleNamespace(profiles=speed_profiles([1.0, 0.5, 0.25], allreduce_seconds_per_mib=0.01))
+    t.replans, t.last_check = [], None
+    estimate = reshard_seconds(t.profiles, t.dims, t.job)
+    assert estimate / 96 > MIN_REPLAN_GAIN  # 96 steps left of 1 s: the re-shard must save more than 3%
+    assert t.min_replan_gain(1.0) == pytest.approx(estimate / 96)
+    timed = ReplanCheck(after_step=3, measured_compute_seconds=[1.0] * 3, predicted_compute_seconds=[1.0] * 3)
+    t.replans = [timed.model_copy(update={"reshard_seconds": estimate / 10})]  # once one is timed, its own seconds
+    assert t.min_replan_gain(1.0) == pytest.approx(max(MIN_REPLAN_GAIN, estimate / 10 / 96))
 
 
 def test_a_node_slowed_mid_job_gets_a_smaller_share_by_a_drift_replan(tmp_path):

@@ -11,10 +11,11 @@ import pytest
 from edge_node.cpu_quota import cgroup_quota_available
 from edge_node.launcher import run_local
 from edge_node.model_io import load_config
-from edge_node.profiler import fit_fixed_and_per_unit, profile_device
+from edge_node.profiler import STALE_PROFILE_FACTOR, fit_fixed_and_per_unit, forget_if_stale, profile_device
 from edge_node.toy_model import make_data, make_model
 from xronos.contract.errors import XronosError
 from xronos.contract.job import JobOptions
+from xronos.contract.profiles import COMPUTE_FIELDS, DeviceProfile
 from xronos.contract.report import WARMUP_STEPS
 
 
@@ -103,3 +104,39 @@ def test_profiles_are_cached_per_shape(mid_model, tmp_path, monkeypatch):
     monkeypatch.setenv("XRONOS_PROFILE_MAX_AGE", "soon")
     with pytest.raises(XronosError, match="XRONOS_PROFILE_MAX_AGE"):
         profile_device(config, 2, 16, 1, device="d0")
+
+
+def test_a_cached_profile_far_off_the_steps_is_dropped(mid_model, tmp_path, monkeypatch):
+    """A profile cached while something else loaded the machine would plan every job of the day; the job's
+    first check measures each device against it, and one off by more than STALE_PROFILE_FACTOR is dropped
+    from the cache (the next job profiles that device afresh). One within the factor is kept."""
+    monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
+    model, data = mid_model
+    config = load_config(model)
+    for device in ("device-0", "device-1"):  # the keys the job's workers look up: name, speed, shapes
+        profile_device(config, 2, 32, 1, device=device, speed_hint=1.0)
+    cached = {DeviceProfile.model_validate_json(p.read_text()).device: p for p in (tmp_path / "cache").glob("*.json")}
+    sound = DeviceProfile.model_validate_json(cached["device-1"].read_text())
+    # within the factor either way, or without a measurement: kept
+    assert not forget_if_stale(sound, 1.9, 1.0, None) and not forget_if_stale(sound, 1.0, 1.9, None)
+    assert not forget_if_stale(sound, 0.0, 1.0, None) and cached["device-1"].exists()
+    for path in cached.values():  # both measured under a load of ten: every compute cost ten times the device's
+        stale = DeviceProfile.model_validate_json(path.read_text())
+        path.write_text(stale.model_copy(update={k: getattr(stale, k) * 10 for k in COMPUTE_FIELDS}).model_dump_json())
+    job = JobOptions(
+        model=str(model),
+        data=str(data),
+        steps=6,  # a check after the third step leaves the steps a re-shard needs
+        batch_size=2,
+        seq_len=32,
+        mode="xronos",
+        replan_after=1,
+        layouts=("tp",),
+        output=str(tmp_path / "out"),
+    )
+    report = run_local(job, 2, speeds=[1.0, 1.0], show_progress=False)
+    assert report.split.world_size == 2 and report.replans, "the job should spread and check its plan"
+    first = report.replans[0]
+    for measured, predicted in zip(first.measured_compute_seconds, first.predicted_compute_seconds):
+        assert measured < predicted / STALE_PROFILE_FACTOR
+    assert not any(path.exists() for path in cached.values())  # dropped: the next job measures both anew

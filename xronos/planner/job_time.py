@@ -18,7 +18,14 @@ from xronos.contract.choice import Layout, LayoutCandidate, LayoutChoice
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.splits import ModelDims
-from xronos.planner.cost_model import allreduces_per_step, collective_seconds, trained_count
+from xronos.planner.cost_model import (
+    FROZEN_BF16_BYTES_PER_PARAM,
+    FROZEN_BYTES_PER_PARAM,
+    allreduces_per_step,
+    collective_seconds,
+    parameter_count,
+    trained_count,
+)
 
 RENDEZVOUS_SECONDS = 1.0
 """A spread job's ranks meeting over TCP (`init_process_group`) and their first barrier."""
@@ -37,9 +44,14 @@ slower one, and one device has no peer to wait for or to lose."""
 
 
 def reshard_seconds(members: list[DeviceProfile], dims: ModelDims, job: JobOptions) -> float:
-    """One re-shard: each rank receives about its share of the trained parameters and their moments,
-    at the slowest member's measured exchange rate."""
-    mib = trained_count(dims, job.lora) * RESHARD_BYTES_PER_PARAM / len(members) / 2**20
+    """One re-shard: each rank receives about its share of the trained parameters and their moments (with
+    LoRA also of the frozen base weights, which move with their split), at the slowest member's measured
+    exchange rate."""
+    moved = trained_count(dims, job.lora) * RESHARD_BYTES_PER_PARAM
+    if job.lora is not None:
+        base = FROZEN_BF16_BYTES_PER_PARAM if job.lora.base_dtype == "bfloat16" else FROZEN_BYTES_PER_PARAM
+        moved += parameter_count(dims) * base
+    mib = moved / len(members) / 2**20
     return mib * max(p.allreduce_seconds_per_mib for p in members)
 
 

@@ -149,8 +149,8 @@ def min_replan_gain(
 
 def payback_gain(reshard_seconds: float | None, step_seconds: float, steps_left: int) -> float:
     """The gain at which a re-shard pays back its seconds (`reshard_seconds`: the last one's, when one has
-    been timed; None: none yet, counted free) over the steps left, unbounded: what keeps a check late in
-    a job from re-sharding for less than it costs (1.0 and more: no gain can)."""
+    been timed, else the job-time estimate; None: counted free) over the steps left, unbounded: what keeps a
+    check from re-sharding for less than it costs (1.0 and more: no gain can)."""
     if not reshard_seconds:
         return 0.0
     if steps_left <= 0 or step_seconds <= 0:
