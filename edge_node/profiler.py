@@ -234,10 +234,10 @@ def forget_if_stale(profile: DeviceProfile, measured: float, predicted: float, l
     than STALE_PROFILE_FACTOR: the next job on this device profiles it afresh. True when it was dropped."""
     if measured <= 0 or predicted <= 0 or 1 / STALE_PROFILE_FACTOR <= measured / predicted <= STALE_PROFILE_FACTOR:
         return False
-    cache = _cache_path(profile.shape, profile.device, profile.speed_hint, lora)
-    if not cache.is_file():
+    try:
+        _cache_path(profile.shape, profile.device, profile.speed_hint, lora).unlink()
+    except FileNotFoundError:
         return False
-    cache.unlink(missing_ok=True)
     return True
 
 

@@ -34,8 +34,10 @@ from edge_node.trainer import (
 )
 from edge_node.worker_process import free_port, stop_processes
 from xronos.contract.job import JobOptions
+from xronos.contract.lora import LoraOptions
 from xronos.contract.report import ReplanCheck, RunReport, drifted
 from xronos.mosquitto import Mosquitto
+from xronos.planner.cost_model import parameter_count
 from xronos.planner.job_time import reshard_seconds
 from xronos.planner.replan import MIN_REPLAN_GAIN, payback_gain
 
@@ -121,6 +123,13 @@ def test_a_first_reshard_must_pay_back_the_estimate_the_job_was_priced_with():
     timed = ReplanCheck(after_step=3, measured_compute_seconds=[1.0] * 3, predicted_compute_seconds=[1.0] * 3)
     t.replans = [timed.model_copy(update={"reshard_seconds": estimate / 10})]  # once one is timed, its own seconds
     assert t.min_replan_gain(1.0) == pytest.approx(max(MIN_REPLAN_GAIN, estimate / 10 / 96))
+    # a LoRA job moves its factors with their moments and the frozen base with its split (half of it in bfloat16)
+    lora = [
+        reshard_seconds(t.profiles, t.dims, t.job.model_copy(update={"lora": LoraOptions(r=4, base_dtype=d)}))
+        for d in ("float32", "bfloat16")
+    ]
+    base = parameter_count(t.dims) * 4 / 3 / 2**20 * 0.01  # float32 base: each rank's third, at 0.01 s per MiB
+    assert lora[0] - lora[1] == pytest.approx(base / 2) and lora[1] > base / 2
 
 
 def test_a_node_slowed_mid_job_gets_a_smaller_share_by_a_drift_replan(tmp_path):

@@ -182,6 +182,11 @@ def trained_count(dims: ModelDims, lora: LoraOptions | None = None) -> int:
     return replicated + per_group * dims.num_kv_heads + per_block * (dims.intermediate_size // dims.mlp_block)
 
 
+def frozen_bytes_per_param(lora: LoraOptions) -> int:
+    """A LoRA job's frozen base matrices: float32, or bfloat16 with `base_dtype` (norms stay float32)."""
+    return FROZEN_BF16_BYTES_PER_PARAM if lora.base_dtype == "bfloat16" else FROZEN_BYTES_PER_PARAM
+
+
 def unit_bytes(
     dims: ModelDims, micro_batch: int, seq_len: int, lora: LoraOptions | None = None
 ) -> tuple[float, float, float, float]:
@@ -195,10 +200,8 @@ def unit_bytes(
     h, hd, hpg, layers = dims.hidden_size, dims.head_dim, dims.heads_per_group, dims.num_layers
     tokens = micro_batch * seq_len
     norms = (2 * layers + 1) * h
-    per_param = BYTES_PER_PARAM if lora is None else FROZEN_BYTES_PER_PARAM
-    norm_bytes = per_param
-    if lora is not None and lora.base_dtype == "bfloat16":
-        per_param = FROZEN_BF16_BYTES_PER_PARAM
+    norm_bytes = BYTES_PER_PARAM if lora is None else FROZEN_BYTES_PER_PARAM
+    per_param = BYTES_PER_PARAM if lora is None else frozen_bytes_per_param(lora)
     replicated, per_group, per_block = lora_factor_params(dims, lora) if lora is not None else (0, 0, 0)
     fixed = RUNTIME_BYTES + norm_bytes * norms + BYTES_PER_PARAM * replicated + 4 * tokens * h * (6 * layers + 4)
     kv_params = layers * (2 * hpg * hd * h + 2 * hd * h)

@@ -19,10 +19,9 @@ from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.splits import ModelDims
 from xronos.planner.cost_model import (
-    FROZEN_BF16_BYTES_PER_PARAM,
-    FROZEN_BYTES_PER_PARAM,
     allreduces_per_step,
     collective_seconds,
+    frozen_bytes_per_param,
     parameter_count,
     trained_count,
 )
@@ -49,8 +48,7 @@ def reshard_seconds(members: list[DeviceProfile], dims: ModelDims, job: JobOptio
     exchange rate."""
     moved = trained_count(dims, job.lora) * RESHARD_BYTES_PER_PARAM
     if job.lora is not None:
-        base = FROZEN_BF16_BYTES_PER_PARAM if job.lora.base_dtype == "bfloat16" else FROZEN_BYTES_PER_PARAM
-        moved += parameter_count(dims) * base
+        moved += parameter_count(dims) * frozen_bytes_per_param(job.lora)
     mib = moved / len(members) / 2**20
     return mib * max(p.allreduce_seconds_per_mib for p in members)
 
