@@ -1,4 +1,4 @@
-"""Benchmark: a worker's step time with glibc's default heap and with the heap kept (`HEAP_ENV`).
+"""Benchmark: a worker's step time with glibc's default heap and with the heap kept (`HEAP_OPTIONS`).
 
 Runs `single` mode on one full core with SmolLM2's layer shapes, alternating
 the two settings (default, kept, default, kept, ...) so that the machine's

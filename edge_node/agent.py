@@ -50,7 +50,7 @@ from pydantic import BaseModel, Field
 
 from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
-from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all
+from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all, warm_worker_server
 from xronos.contract import wire
 from xronos.contract.files import write_atomically
 from xronos.contract.job import JobOptions
@@ -205,6 +205,7 @@ class NodeAgent:
     def run(self) -> None:
         self.o.workdir.mkdir(parents=True, exist_ok=True)
         self._tidy_job_dirs()
+        warm_worker_server()  # every job's worker is forked from it, its imports done once
         if self.o.metrics_port is not None:
             self.metrics.serve(self.o.metrics_port)
         self.bus.start(wait=None)  # keep trying until the broker is there

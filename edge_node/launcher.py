@@ -25,7 +25,7 @@ from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
 from edge_node.preflight import job_inputs
 from edge_node.trainer import WorkerSpec
-from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all
+from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all, warm_worker_server
 from xronos.contract.assignment import RankAssignment
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
@@ -165,6 +165,7 @@ def run_local(
     is the memory each device's profile reports to the planner (default: the free memory, shared).
     """
     started = time.perf_counter()
+    warm_worker_server()  # started already by `xronos run`; here for the bench and other callers
     if speeds is not None and len(speeds) != nodes:
         raise XronosError(f"--speeds lists {len(speeds)} speeds for --nodes {nodes}")
     if speeds is not None and any(s <= 0 for s in speeds):

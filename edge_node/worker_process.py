@@ -1,16 +1,26 @@
 """A worker process (`python -m edge_node.worker SPEC`) and how to start, watch and stop it.
 
-Shared by the local launcher and the node agent. The worker's stderr is teed
-to a log file (and optionally the terminal), its last lines kept to explain a
-failure. It dies with its parent (PR_SET_PDEATHSIG), so no process outlives
-the one that started it.
+Shared by the local launcher and the node agent. A worker is forked from a worker server
+(multiprocessing's forkserver) that imported torch, transformers and the trainer once: a
+worker started by exec spent ~4.5 s of CPU importing them, per job and per device (three
+devices on two cores: 6-9 s before the first profile; a slow device pays it at its speed).
+The forked worker names itself as the exec'd one did (`python -m MODULE SPEC`, so `ps` and
+the stale-run cleanup see its spec), takes the environment of the process that started it,
+writes its stderr to its log file, which is followed to the terminal when asked, its last
+lines kept to explain a failure. It dies with the server (PR_SET_PDEATHSIG), and the server
+with the process that started it, so no process outlives the one that started it.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import gc
+import importlib
 import json
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import re
 import signal
@@ -19,41 +29,162 @@ import subprocess
 import sys
 import threading
 import time
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from edge_node.cpu_quota import make_quota, start_under
 
 PR_SET_PDEATHSIG = 1
+INT_MAX = (1 << 31) - 1  # mallopt's values are C ints
 
-HEAP_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-    "MALLOC_TOP_PAD_": str(1 << 28),
+PRELOAD = [
+    "edge_node.worker",
+    "edge_node.profiler",
+    "edge_node.pipeline",
+    "xronos.planner.replan",
+    "transformers.models.llama.modeling_llama",
+]
+"""What the worker server imports once for every worker it forks: the worker, what it imports
+lazily before joining its quota (`edge_node.worker.import_before_quota`), and the modeling file
+of the Llama layout (SmolLM2's, the suite's). Another model's modeling file, peft and the
+`hf-tp` reference are imported by the worker that needs them."""
+
+HEAP_OPTIONS = {
+    "MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30),  # M_MMAP_THRESHOLD
+    "MALLOC_TRIM_THRESHOLD_": (-1, INT_MAX),  # M_TRIM_THRESHOLD
+    "MALLOC_TOP_PAD_": (-2, 1 << 28),  # M_TOP_PAD
 }
-"""glibc malloc settings for a training worker. By default glibc serves every
+"""glibc malloc settings for a training worker, set with mallopt as it starts: the environment
+variable each one stands for, its mallopt parameter and value. By default glibc serves every
 block over 32 MiB (the LM head's logits, the MLP's activations) with a fresh
 mmap and returns it on free, so each step page-faults and zeroes hundreds of MB
 anew: kernel time charged to the device's CPU share, the same on every device
 whatever its shard. Kept in a heap that is never trimmed, a step is ~15% shorter
-on SmolLM2's shapes, for ~20-30% more peak RSS (benchmarks/heap_bench.py). A
-value already in the environment wins; XRONOS_KEEP_HEAP=0 leaves glibc's defaults."""
+on SmolLM2's shapes, for ~20-30% more peak RSS (benchmarks/heap_bench.py). The
+environment variable, where set, gives the value; XRONOS_KEEP_HEAP=0 leaves glibc's defaults."""
 
 
 def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _pinned(cpus: set[int]) -> None:
-    """In the child before exec: die with the parent, and run on `cpus` only."""
+def keep_heap(env: dict[str, str]) -> None:
+    """Set HEAP_OPTIONS in this process, with the values `env` gives (glibc reads its own variables only
+    as a process starts, and a forked worker's process started as the worker server)."""
+    if env.get("XRONOS_KEEP_HEAP", "1") == "0":
+        return
+    libc = ctypes.CDLL("libc.so.6")
+    for name, (param, value) in HEAP_OPTIONS.items():
+        given = env.get(name, "")
+        libc.mallopt(param, min(int(given), INT_MAX) if given.isdigit() else value)
+
+
+def worker_server() -> multiprocessing.context.ForkServerContext:
+    """The context that forks workers from the worker server, started on first use with PRELOAD."""
+    multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
+    return multiprocessing.get_context("forkserver")
+
+
+def warm_worker_server() -> None:
+    """Start the worker server now, so that its imports overlap with what the caller does before
+    its first worker (the launcher's checks of model and data; a node agent's start)."""
+    worker_server()
+    multiprocessing.forkserver.ensure_running()
+
+
+def _forked_worker(module: str, argv: list[str], env: dict[str, str], log_file: str, cpus: set[int] | None) -> None:
+    """A forked worker's first steps: what `python -m MODULE ARGV` under `env` would have been, then its main.
+
+    It lets go of the server's "a client is alive" pipe, which every forked process inherits: held
+    by the worker, it would keep the server running after the process that started both was killed,
+    and the worker with it (PR_SET_PDEATHSIG fires when the server ends)."""
+    server: Any = multiprocessing.forkserver._forkserver  # private: the one server of this process
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     die_with_parent()
-    os.sched_setaffinity(0, cpus)
+    gc.freeze()  # the server's objects: a full collection would touch, and so copy, every page they are on
+    from setproctitle import setproctitle
+
+    setproctitle(" ".join([os.path.basename(sys.executable), "-m", module, *argv]))
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(env)
+    keep_heap(env)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    from tqdm import tqdm
+
+    # tqdm's default lock holds a multiprocessing semaphore, which would be registered with the
+    # launcher's resource tracker and reported leaked when the worker exits without teardown
+    tqdm.set_lock(threading.RLock())
+    sys.argv = [module, *argv]
+    code = importlib.import_module(module).main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (edge_node.worker.exit_now)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class ProcessLike(Protocol):
+    """What watching and stopping a process needs: a `subprocess.Popen`, or a `ForkedProcess`."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class ForkedProcess:
+    """A worker forked from the worker server, with `subprocess.Popen`'s methods that the launcher,
+    the node agent and `stop_processes` use (exit codes as Popen's: negative for a signal).
+
+    Its exit code is read once from the server's socket; the lock keeps two threads (the log's
+    follower and the watcher) from both reading it, where the second would see 255."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self.process = process
+        assert process.pid is not None  # started
+        self.pid: int = process.pid
+        self._lock = threading.Lock()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        multiprocessing.connection.wait([self.process.sentinel], timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+        return code
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
 
 
 class WorkerProcess:
@@ -70,39 +201,48 @@ class WorkerProcess:
         cpus: set[int] | None = None,
         module: str = "edge_node.worker",
     ):
-        heap = HEAP_ENV if os.environ.get("XRONOS_KEEP_HEAP", "1") != "0" else {}
-        env = {**heap, **os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         if loopback:  # gloo would otherwise pick the interface of the host name, which may not reach a peer here
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.device = device
         self.log_file = log_file
         self.rank: int | None = None  # known once the split is
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(spec_file)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            preexec_fn=die_with_parent if cpus is None else partial(_pinned, cpus),
+        log_file.write_bytes(b"")
+        process = worker_server().Process(
+            target=_forked_worker, args=(module, [str(spec_file)], env, str(log_file), cpus), daemon=True
         )
+        process.start()
+        self.proc = ForkedProcess(process)
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
-        self._tee = threading.Thread(target=self._copy, args=(log_file, echo), daemon=True)
+        self._tee = threading.Thread(target=self._follow, args=(log_file, echo), daemon=True)
         self._tee.start()
 
-    def _copy(self, log_file: Path, echo: bool) -> None:
-        with log_file.open("wb") as log:
-            assert self.proc.stderr is not None  # stderr=PIPE
-            for line in iter(self.proc.stderr.readline, b""):
-                log.write(line)
-                text = line.decode(errors="replace").rstrip()
-                if text:
-                    self.tail.append(text.split("\r")[-1])
-                if echo:
-                    sys.stderr.buffer.write(line)
-                    sys.stderr.flush()
+    def _follow(self, log_file: Path, echo: bool) -> None:
+        """Read the worker's log as it writes it, until it has ended and all it wrote is read."""
+        with log_file.open("rb") as log:
+            pending = b""
+            while True:
+                ended = self.proc.poll() is not None  # before the read: nothing it wrote is missed
+                pending += log.read()
+                *lines, pending = pending.split(b"\n")
+                for line in [*lines, pending] if ended and pending else lines:
+                    self._line(line + b"\n", echo)
+                if ended:
+                    return
+                time.sleep(0.05)
+
+    def _line(self, line: bytes, echo: bool) -> None:
+        text = line.decode(errors="replace").rstrip()
+        if text:
+            self.tail.append(text.split("\r")[-1])
+        if echo:
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
 
     def cause(self) -> str:
         self._tee.join(timeout=2)
         rc = self.proc.returncode
+        assert rc is not None, "cause() is for a worker that ended"
         how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
         why = last_error(list(self.tail))
         who = f"worker for device {self.device}" if self.rank is None else f"worker rank {self.rank}"
@@ -187,7 +327,7 @@ def last_error(lines: list[str], limit: int = 300) -> str:
     return " ".join([name + (f":{message}" if message else ""), *rest])[:limit]
 
 
-def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+def stop_processes(procs: Sequence[ProcessLike], grace: float = 5.0) -> None:
     """SIGTERM every process still running, then SIGKILL what has not ended after `grace` seconds."""
     for proc in procs:
         if proc.poll() is None:

@@ -79,10 +79,8 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and its descendants at once, as a device unplugged ends them all."""
-    import signal
-
+def descendants(pid: int) -> list[int]:
+    """`pid`'s children, theirs, and so on (a launcher's workers are its worker server's children)."""
     family, i = [pid], 0
     while i < len(family):
         try:
@@ -90,7 +88,24 @@ def kill_tree(pid: int) -> None:
         except OSError:
             pass
         i += 1
-    for p in family:
+    return family[1:]
+
+
+def spec_of(pid: int, name: str) -> Path | None:
+    """The spec file ending in `name` that process `pid` runs (a worker names it: `python -m edge_node.worker SPEC`)."""
+    return next((Path(a) for a in cmdline(pid).replace("\0", " ").split() if a.endswith(name)), None)
+
+
+def worker_below(pid: int, name: str) -> int | None:
+    """The worker below `pid` whose spec file ends in `name` (`spec-1.json`: device 1's)."""
+    return next((p for p in descendants(pid) if spec_of(p, name) is not None), None)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and its descendants at once, as a device unplugged ends them all."""
+    import signal
+
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

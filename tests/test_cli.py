@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live_cluster import children
+from live_cluster import worker_below
 from transformers import GPT2Config
 
 from edge_node.worker_process import last_error
@@ -106,21 +106,25 @@ def test_a_dying_worker_stops_the_job_and_is_named(model_dir, data_file, tmp_pat
     ]
     cmd[cmd.index("--steps") + 1] = "100000"
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 120
-    workers = []
-    while time.monotonic() < deadline and len(workers) < 3:
-        workers = children(launcher.pid)
-        time.sleep(0.2)
-    assert len(workers) == 3
-    rank1 = next(p for p in workers if Path(f"/proc/{p}/cmdline").read_bytes().endswith(b"spec-1.json\0"))
-    time.sleep(8)  # let the job start training
-    os.kill(rank1, signal.SIGKILL)
-    _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 2
-    assert "xronos: error: worker rank 1 was killed by SIGKILL" in err
-    kept = tmp_path / "o" / "device-1.log"
-    assert f"(its log: {kept})" in err and kept.is_file()  # the run's directory is gone, the log is not
-    assert "Traceback" not in err.split("xronos: error:")[-1]
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int | None] = [None] * 3
+        while time.monotonic() < deadline and not all(workers):
+            workers = [worker_below(launcher.pid, f"spec-{d}.json") for d in range(3)]
+            time.sleep(0.2)
+        assert all(workers)
+        rank1 = workers[1]
+        assert rank1 is not None
+        time.sleep(8)  # let the job start training
+        os.kill(rank1, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 2
+        assert "xronos: error: worker rank 1 was killed by SIGKILL" in err
+        kept = tmp_path / "o" / "device-1.log"
+        assert f"(its log: {kept})" in err and kept.is_file()  # the run's directory is gone, the log is not
+        assert "Traceback" not in err.split("xronos: error:")[-1]
+    finally:
+        launcher.kill()  # a failed assertion must not leave a 100000-step job running
     time.sleep(0.5)
     assert not any(_alive(p) for p in workers), "orphan worker processes left behind"
 

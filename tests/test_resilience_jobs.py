@@ -20,7 +20,7 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from live_cluster import children, cmdline, node_process, train_by_command, wait_for, xronos_process
+from live_cluster import cmdline, node_process, spec_of, train_by_command, wait_for, worker_below, xronos_process
 
 from controller.jobs import STALL_STEPS, stall_limit
 from edge_node.model_io import load_config
@@ -141,11 +141,11 @@ def test_xronos_run_survivors_give_up_on_a_frozen_worker_after_the_collective_ti
     try:
 
         def rank1_training():
-            worker = next((p for p in children(run.pid) if "spec-1.json" in cmdline(p)), None)
-            if worker is None:
+            worker = worker_below(run.pid, "spec-1.json")
+            spec = spec_of(worker, "spec-1.json") if worker is not None else None
+            if worker is None or spec is None:
                 return None
-            spec = cmdline(worker).split("\0")
-            run_dir = Path(next(a for a in spec if a.endswith("spec-1.json"))).parent
+            run_dir = spec.parent
             progress = run_dir / "progress-1.jsonl"
             return worker if progress.is_file() and progress.read_text().count("\n") >= 3 else None
 

@@ -320,6 +320,9 @@ def _remove_leftovers() -> None:
 
 
 def cmd_run(args) -> int:
+    from edge_node.worker_process import warm_worker_server
+
+    warm_worker_server()  # its imports overlap with the launcher's own and its checks of model and data
     from edge_node.launcher import run_local
     from xronos.summary import print_report
 
