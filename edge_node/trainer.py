@@ -44,7 +44,7 @@ from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes
 from edge_node.optimizer import ADAM_MOMENTS, adam_state, adam_step, adamw
 from edge_node.reshard import reshard_tensors
 from edge_node.timeline import Timeline
-from edge_node.tp.comm import broadcast_bytes, time_collectives
+from edge_node.tp.comm import AWAIT_LISTENER_SECONDS, await_listener, broadcast_bytes, time_collectives
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.frozen import DTYPES, held_dtype, hold_matrices
@@ -135,9 +135,12 @@ class Trainer:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(self.job.seed)
         if self.world > 1 or not self.plain:
+            addr, port = self.assignment.master_addr, self.assignment.master_port
+            if self.rank != 0 and addr is not None and port is not None:
+                await_listener(addr, port, min(AWAIT_LISTENER_SECONDS, self.job.collective_timeout))
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://{self.assignment.master_addr}:{self.assignment.master_port}",
+                init_method=f"tcp://{addr}:{port}",
                 rank=self.rank,
                 world_size=self.world,
                 # gloo's default is 30 minutes: a peer frozen or unplugged would hold the others that long.

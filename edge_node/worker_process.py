@@ -43,12 +43,13 @@ PRELOAD = [
     "edge_node.profiler",
     "edge_node.pipeline",
     "xronos.planner.replan",
+    "peft",
     "transformers.models.llama.modeling_llama",
 ]
 """What the worker server imports once for every worker it forks: the worker, what it imports
 lazily before joining its quota (`edge_node.worker.import_before_quota`), and the modeling file
-of the Llama layout (SmolLM2's, the suite's). Another model's modeling file, peft and the
-`hf-tp` reference are imported by the worker that needs them."""
+of the Llama layout (SmolLM2's, the suite's), and peft (the plain model's LoRA). Another model's
+modeling file and the `hf-tp` reference are imported by the worker that needs them."""
 
 HEAP_OPTIONS = {
     "MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30),  # M_MMAP_THRESHOLD

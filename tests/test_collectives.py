@@ -8,12 +8,16 @@ that an all-reduce whose segment only some ranks hold a share of sums their part
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from edge_node.tp.comm import all_reduce, broadcast_bytes, time_collectives
+from edge_node.tp.comm import all_reduce, await_listener, broadcast_bytes, time_collectives
 from edge_node.tp.context import TPContext
 from edge_node.worker_process import free_port
 
@@ -106,3 +110,29 @@ def test_an_all_reduce_sums_the_holders_parts_alone_to_the_bit():
             assert skipped.abs().max() < 1e3, f"a rank without a share was summed: {key}"
             assert torch.equal(skipped, full), f"rank {rank}: {key}"
             assert torch.equal(skipped, results[0][key][0]), f"rank {rank} differs from rank 0: {key}"
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen_and_gives_up_after_its_time():
+    """`await_listener` returns once rank 0's port answers (the listener saw the connection), and returns,
+    not raises, when nothing listens within its time: the rendezvous then reports it as before."""
+    port = free_port()
+    accepted: list[bool] = []
+
+    def listen_later():
+        time.sleep(0.3)
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            server.settimeout(20)
+            conn, _ = server.accept()
+            accepted.append(True)
+            conn.close()
+
+    listener = threading.Thread(target=listen_later)
+    listener.start()
+    await_listener("127.0.0.1", port, 20)
+    listener.join(20)
+    assert accepted == [True]
+    started = time.monotonic()
+    await_listener("127.0.0.1", free_port(), 0.3)
+    assert time.monotonic() - started < 10

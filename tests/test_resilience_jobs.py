@@ -20,7 +20,16 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from live_cluster import cmdline, node_process, spec_of, train_by_command, wait_for, worker_below, xronos_process
+from live_cluster import (
+    cmdline,
+    descendants,
+    node_process,
+    spec_of,
+    train_by_command,
+    wait_for,
+    worker_below,
+    xronos_process,
+)
 
 from controller.jobs import STALL_STEPS, stall_limit
 from edge_node.model_io import load_config
@@ -207,7 +216,8 @@ def cluster(tmp_path_factory, model_dir, data_file):
             watcher.subscribe([(wire.PROFILE.subscription(), 1), (wire.HEARTBEAT.subscription(), 0)])
             wait_for(lambda: idle_after == {"n0", "n1"}, 180, "both nodes idle after their start-up profiles", 0.5)
             watcher.loop_stop()
-            yield dict(root=root, broker=broker, model=model_dir("gqa_tied"), data=data_file)
+            nodes = dict(zip(("n0", "n1"), procs[1:]))
+            yield dict(root=root, broker=broker, model=model_dir("gqa_tied"), data=data_file, nodes=nodes)
         finally:
             stop_processes(procs, grace=15)
 
@@ -315,8 +325,16 @@ def test_a_frozen_worker_fails_its_job_by_the_watchdog_and_the_node_is_freed(clu
     assert again.returncode == 0, again.stdout + again.stderr
 
 
-def test_a_planning_failure_fails_the_job_with_its_reason(cluster):
-    """Profiles that cannot be planned from (a cost of 1e999, infinity once decoded) fail the job at once."""
+def test_a_planning_failure_fails_the_job_with_its_reason(cluster, request):
+    """Profiles that cannot be planned from (a cost of 1e999, infinity once decoded) fail the job at once.
+
+    The nodes' worker servers are paused until the test ends: a node's own profile, from a worker
+    forked in milliseconds with its profile cached, would otherwise reach the controller first."""
+    servers = [p for node in cluster["nodes"].values() for p in descendants(node.pid) if "forkserver" in cmdline(p)]
+    assert len(servers) == 2, "each node runs a worker server"
+    for server in servers:
+        os.kill(server, signal.SIGSTOP)
+    request.addfinalizer(lambda: [os.kill(server, signal.SIGCONT) for server in servers])
     dims = ModelDims.from_config(load_config(cluster["model"]))
     statuses: dict[str, wire.JobStatus] = {}
     watcher = _client(cluster["broker"].port, "operator")

@@ -1,4 +1,4 @@
-"""The tensor-parallel process group and the time spent in its collectives.
+"""The tensor-parallel process group, its rendezvous, and the time spent in its collectives.
 
 Every collective of the engine goes through `all_reduce` here so that the
 time a rank spends communicating (which includes waiting for slower peers)
@@ -31,6 +31,7 @@ for one SmolLM2 activation among devices of speeds 1, 0.5 and 0.25
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -172,3 +173,25 @@ def _wait_all(requests: list) -> None:
     for request in requests:
         assert request is not None, "this rank is not in the process group"
         request.wait()
+
+
+AWAIT_LISTENER_SECONDS = 10.0
+"""How long a rank waits for rank 0's store to listen before it calls the rendezvous anyway (`await_listener`):
+rank 0 is normally moments away; one later than this leaves the rank to torch's retries, as before."""
+
+
+def await_listener(host: str, port: int, seconds: float) -> None:
+    """Return once something listens at `host`:`port` (rank 0's rendezvous store), or after `seconds`.
+
+    A rank that reaches the store before rank 0 has opened it is retried by torch's client after a
+    back-off: with every rank handed its plan at the same moment (forked workers, no imports left
+    to stagger them), that cost 0.3-0.6 s of each job's start. A connection tried every 10 ms
+    costs nothing. After `seconds` the rendezvous goes on as before (torch's retries, its timeout,
+    its error)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.01)
