@@ -29,9 +29,12 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from setproctitle import setproctitle
 
 from edge_node.cpu_quota import make_quota, start_under
 
@@ -39,6 +42,7 @@ PR_SET_PDEATHSIG = 1
 INT_MAX = (1 << 31) - 1  # mallopt's values are C ints
 
 PRELOAD = [
+    "edge_node.worker_server_guard",
     "edge_node.worker",
     "edge_node.profiler",
     "edge_node.pipeline",
@@ -46,7 +50,8 @@ PRELOAD = [
     "peft",
     "transformers.models.llama.modeling_llama",
 ]
-"""What the worker server imports once for every worker it forks: the worker, what it imports
+"""What the worker server imports once for every worker it forks: first what makes it die with its
+starter (`edge_node.worker_server_guard`), then the worker, what it imports
 lazily before joining its quota (`edge_node.worker.import_before_quota`), and the modeling file
 of the Llama layout (SmolLM2's, the suite's), and peft (the plain model's LoRA). Another model's
 modeling file and the `hf-tp` reference are imported by the worker that needs them."""
@@ -95,24 +100,25 @@ def warm_worker_server() -> None:
 
 
 def _forked_worker(module: str, argv: list[str], env: dict[str, str], log_file: str, cpus: set[int] | None) -> None:
-    """A forked worker's first steps: what `python -m MODULE ARGV` under `env` would have been, then its main.
+    """A forked worker's first steps: what `python -m MODULE ARGV` under `env` would have been, then its main,
+    whose return value or SystemExit is the exit code as for `sys.exit` (an exception: its traceback, 1).
 
     It lets go of the server's "a client is alive" pipe, which every forked process inherits: held
     by the worker, it would keep the server running after the process that started both was killed,
     and the worker with it (PR_SET_PDEATHSIG fires when the server ends)."""
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)  # first: whatever fails from here on is in the worker's log
+    os.close(log)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
     server: Any = multiprocessing.forkserver._forkserver  # private: the one server of this process
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
     die_with_parent()
     gc.freeze()  # the server's objects: a full collection would touch, and so copy, every page they are on
-    from setproctitle import setproctitle
-
     setproctitle(" ".join([os.path.basename(sys.executable), "-m", module, *argv]))
-    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 2)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    os.close(log)
     os.environ.clear()
     os.environ.update(env)
     keep_heap(env)
@@ -124,10 +130,17 @@ def _forked_worker(module: str, argv: list[str], env: dict[str, str], log_file: 
     # launcher's resource tracker and reported leaked when the worker exits without teardown
     tqdm.set_lock(threading.RLock())
     sys.argv = [module, *argv]
-    code = importlib.import_module(module).main(argv)
+    code: object
+    try:
+        code = importlib.import_module(module).main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown (edge_node.worker.exit_now)
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)  # no teardown: edge_node.worker.exit_now
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -158,7 +171,8 @@ class ForkedProcess:
     the node agent and `stop_processes` use (exit codes as Popen's: negative for a signal).
 
     Its exit code is read once from the server's socket; the lock keeps two threads (the log's
-    follower and the watcher) from both reading it, where the second would see 255."""
+    follower and the watcher) from both reading it, where the second would see 255 (so does
+    multiprocessing's own bookkeeping, which the worker is taken out of as it starts)."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess):
         self.process = process
@@ -210,9 +224,12 @@ class WorkerProcess:
         self.rank: int | None = None  # known once the split is
         log_file.write_bytes(b"")
         process = worker_server().Process(
-            target=_forked_worker, args=(module, [str(spec_file)], env, str(log_file), cpus), daemon=True
+            target=_forked_worker, args=(module, [str(spec_file)], env, str(log_file), cpus)
         )
         process.start()
+        # Not multiprocessing's child: it would poll the worker's exit code on every later start (a
+        # second reader of it sees 255) and join it at exit; the worker ends with its server instead.
+        multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
         self.proc = ForkedProcess(process)
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._tee = threading.Thread(target=self._follow, args=(log_file, echo), daemon=True)

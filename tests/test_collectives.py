@@ -135,4 +135,4 @@ def test_a_rank_waits_for_rank_0s_store_to_listen_and_gives_up_after_its_time():
     assert accepted == [True]
     started = time.monotonic()
     await_listener("127.0.0.1", free_port(), 0.3)
-    assert time.monotonic() - started < 10
+    assert 0.3 <= time.monotonic() - started < 10

@@ -40,8 +40,18 @@ def test_a_forked_worker_sees_its_starters_environment_names_its_spec_and_report
     assert seen["cmdline"].endswith(f"-m tests.worker_probe {spec}")
     assert seen["cpus"] == [0]
     assert seen["argv"] == ["tests.worker_probe", str(spec)]
+    assert seen["not_preloaded"] == []  # the server's imports, not the worker's
     assert "probe: started" in (tmp_path / "device-0.log").read_text()
     assert worker.cause() == "worker for device 0 exited with code 3: ValueError: the probe's last words"
+
+
+def test_an_exception_out_of_main_is_in_the_log_and_exits_1(tmp_path):
+    spec = tmp_path / "spec-2.json"
+    spec.write_text("raise")
+    worker = WorkerProcess(2, spec, tmp_path / "device-2.log", echo=False, threads=1, module="tests.worker_probe")
+    assert worker.proc.wait(timeout=60) == 1
+    assert worker.cause() == "worker for device 2 exited with code 1: ValueError: the probe's last words"
+    assert "Traceback" in (tmp_path / "device-2.log").read_text()
 
 
 def _wait_seen(spec: Path) -> None:

@@ -322,12 +322,12 @@ def _remove_leftovers() -> None:
 def cmd_run(args) -> int:
     from edge_node.worker_process import warm_worker_server
 
+    _check_cluster_args(args, args.speeds)
+    job = _job_from_args(args)
     warm_worker_server()  # its imports overlap with the launcher's own and its checks of model and data
     from edge_node.launcher import run_local
     from xronos.summary import print_report
 
-    _check_cluster_args(args, args.speeds)
-    job = _job_from_args(args)
     _remove_leftovers()
     report = run_local(
         job,
