@@ -289,6 +289,11 @@ class Controller:
         self.metrics.nodes_known.set(len(self.registry.nodes))
         for node in self.registry.nodes.values():
             self.metrics.node(node.node_id, node.online, now - node.last_seen)
+        self._count_jobs()
+
+    def _count_jobs(self) -> None:
+        """The jobs-by-state gauge: on every tick, and as a job finishes (a scrape right after its
+        final status, as a job of a few fast steps allows, must count it)."""
         self.metrics.job_counts(
             [j.status.state for j in self.jobs.values()]
             + [s.state for s in self.finished.values()]
@@ -728,6 +733,7 @@ class Controller:
         if "reason" in update:
             update["reason"] = shorten(update["reason"])
         self._keep_finished(self._publish_status(job, state=state, **update))
+        self._count_jobs()
         if self.o.state_dir is not None:  # its finished status is on disk (`_publish`): no longer in flight
             (self.o.state_dir / "running" / f"{job.id}.json").unlink(missing_ok=True)
         log.info("job %s %s%s", job.id, state, f": {update['reason']}" if "reason" in update else "")
