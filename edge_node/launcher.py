@@ -31,8 +31,10 @@ from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
-from xronos.contract.report import RankResult, RunReport, build_report
-from xronos.planner.job_plan import plan_job, planned_report
+from xronos.contract.report import ExcludedDevice, HeadStart, RankResult, RunReport, build_report
+from xronos.contract.splits import ModelDims
+from xronos.planner.head_start import head_start_profile, holds_whole_model, steady_compute, trained_ahead
+from xronos.planner.job_plan import JobPlan, plan_job, planned_report
 from xronos.planner.pipeline_plan import stages_from_layers
 from xronos.planner.planning import split_for_mode
 
@@ -115,6 +117,11 @@ class LocalWorkers:
     def rows_file(self) -> Path:
         return self.dir / "rows.safetensors"
 
+    @property
+    def head_start_file(self) -> Path:
+        """Mode xronos: the head start's progress (`edge_node.head_start`)."""
+        return self.dir / "head-start.json"
+
     def file(self, kind: str, device: int, suffix: str = "json") -> Path:
         """Device `device`'s file of `kind` (spec, result, profile, plan, progress) in the run's directory."""
         return self.dir / f"{kind}-{device}.{suffix}"
@@ -146,6 +153,83 @@ class LocalWorkers:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _head_start_device(
+    job: JobOptions, dims: ModelDims, profiled: bool, speeds: list[float | None], memory: list[int], head_start: bool
+) -> int | None:
+    """The device that trains alone while the others profile (`edge_node.head_start`): the fastest (the first
+    of equals) that holds the whole model, in a mode xronos job over several devices that may keep one device
+    alone (None: no head start)."""
+    if not (head_start and profiled and job.mode == "xronos" and len(speeds) > 1 and "single" in job.layouts):
+        return None
+    micro_batch = job.batch_size // job.grad_accum
+    able = [d for d, m in enumerate(memory) if holds_whole_model(m, dims, micro_batch, job.seq_len, job.lora)]
+    return max(able, key=lambda d: (speeds[d] or 0.0, -d), default=None)
+
+
+def _head_state(path: Path) -> HeadStart | None:
+    """The head start's progress as its device last wrote it (None: not yet)."""
+    return HeadStart.model_validate_json(path.read_text()) if path.is_file() else None
+
+
+def _plannable(profile_files: list[Path], head: int | None, head_file: Path) -> bool:
+    """Whether the plan can be made: every profile is in, the head start's device's but for its steady pace
+    (`steady_compute`), or the head start has trained the whole job."""
+    state = _head_state(head_file) if head is not None and not profile_files[head].is_file() else None
+    if state is not None and state.finished:
+        return True
+    if not all(p.is_file() for d, p in enumerate(profile_files) if d != head):
+        return False
+    return (
+        head is None
+        or profile_files[head].is_file()
+        or (state is not None and steady_compute(state.compute_seconds) is not None)
+    )
+
+
+def _handed_over(head_file: Path) -> bool:
+    """Whether the head start's device has handed its model over (or trained the job to its end)."""
+    state = _head_state(head_file)
+    return state is not None and (state.checkpoint is not None or state.finished)
+
+
+def _plan_profiled(
+    job: JobOptions, dims: ModelDims, local: LocalWorkers, head: int | None, port: int, memory: list[int], tick
+) -> tuple[JobPlan, list[DeviceProfile], HeadStart | None]:
+    """Plan a profiled job once its profiles are in, and write each worker its part. With a head start under
+    way its device's profile is made from its steps, and it hands its model over before the others read it;
+    a head start that trained the whole job leaves the others out, and one the plan keeps alone goes on, told
+    nothing. Returns the plan, the profiles (device order) and the head start's last state (None: none)."""
+    workers, output = local.workers, Path(job.output)
+    profile_files = [local.file("profile", d) for d in range(len(workers))]
+    head_file = local.head_start_file
+    _watch(workers, output, until=partial(_plannable, profile_files, head, head_file), tick=tick)
+    state = _head_state(head_file) if head is not None and not profile_files[head].is_file() else None
+    profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files if p.is_file()]
+    if state is None or head is None:
+        plan = plan_job(job, dims, profiles)
+    elif state.finished:  # before any plan; the others go once they have profiled
+        plan = trained_ahead(dims, head, len(workers))
+    else:
+        pace = (steady_compute(state.compute_seconds) or 0.0) / job.grad_accum  # there is one: `_plannable`
+        own = head_start_profile(profiles, dims, pace, f"device-{head}", local.speeds[head], memory[head])
+        profiles.insert(head, own)
+        plan = plan_job(job, dims, profiles, state)
+        if plan.members != [head]:  # it checkpoints before the others read the checkpoint
+            assignment = plan.rank_assignment(head, "127.0.0.1", port)
+            write_atomically(local.file("plan", head), assignment.model_dump_json())
+            _watch(workers, output, until=partial(_handed_over, head_file), tick=tick)
+            state = _head_state(head_file)
+            if state is not None and state.finished:  # it trained the last step meanwhile: the others go
+                plan = trained_ahead(dims, head, len(workers))
+    for device in range(len(workers)):
+        if state is None or device != head:
+            assignment = plan.rank_assignment(device, "127.0.0.1", port)
+            write_atomically(local.file("plan", device), assignment.model_dump_json())
+    for worker, rank in zip(workers, plan.ranks):
+        worker.rank = rank
+    return plan, profiles, state
+
+
 def run_local(
     job: JobOptions,
     nodes: int,
@@ -155,11 +239,13 @@ def run_local(
     show_progress: bool = True,
     metrics_port: int | None = None,
     memory_caps: list[float] | None = None,
+    head_start: bool = True,
 ) -> RunReport:
     """Run `job` on `nodes` local workers (one for `single`) and return its report.
 
     Mode `xronos` without an explicit split profiles every worker under its quota
-    first, then plans with the exact partitioner; the others split by rule.
+    first, then plans with the exact partitioner; the others split by rule. Its fastest device
+    trains alone meanwhile (`head_start`, `edge_node.head_start`), and the plan takes over from it.
     With `metrics_port`, device d serves its node metrics (node `device-d`) on
     `metrics_port + d` while the run lasts, as a node agent would. `memory_caps` (GiB per device)
     is the memory each device's profile reports to the planner (default: the free memory, shared).
@@ -187,6 +273,9 @@ def run_local(
     if speeds is not None:
         device_speeds = list(speeds[:n_workers])
 
+    shared = available_memory_bytes() // n_workers
+    memory = [int(c * 2**30) for c in memory_caps] if memory_caps is not None else [shared] * n_workers
+    head = _head_start_device(job, dims, profiled, device_speeds, memory, head_start)
     local = LocalWorkers(rows, device_speeds, threads, show_progress)
     workers, feeds = local.workers, []
     try:
@@ -195,8 +284,6 @@ def run_local(
                 progress = local.file("progress", d, "jsonl")
                 feeds.append(_MetricsFeed(f"device-{d}", f"run-{local.id}", progress, metrics_port + d))
         port = free_port()
-        shared = available_memory_bytes() // n_workers
-        memory = [int(c * 2**30) for c in memory_caps] if memory_caps is not None else [shared] * n_workers
         for device in range(n_workers):
             spec = WorkerSpec(
                 job=job,
@@ -216,6 +303,8 @@ def run_local(
                 ),
                 profile_file=str(local.file("profile", device)) if profiled else None,
                 plan_file=str(local.file("plan", device)) if profiled else None,
+                head_start=device == head,
+                head_start_file=str(local.head_start_file) if head is not None else None,
                 rows_file=str(local.rows_file),
                 resume_from=str(resume_from) if resume_from is not None else None,
                 result_file=str(local.file("result", device)),
@@ -226,22 +315,15 @@ def run_local(
             local.start(spec, device).rank = None if profiled else device
 
         tick = partial(_read_feeds, feeds, workers) if feeds else None
-        devices, predicted, plan = list(range(n_workers)), None, None
+        devices, predicted, plan, state = list(range(n_workers)), None, None, None
         if profiled:
-            profile_files = [local.file("profile", d) for d in range(n_workers)]
-            _watch(workers, Path(job.output), until=lambda: all(p.is_file() for p in profile_files), tick=tick)
-            profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files]
-            plan = plan_job(job, dims, profiles)
+            plan, profiles, state = _plan_profiled(job, dims, local, head, port, memory, tick)
             split, stages, predicted, devices = plan.split, plan.stages, plan.predicted, plan.members
-            for device, (worker, rank) in enumerate(zip(workers, plan.ranks)):
-                worker.rank = rank
-                assignment = plan.rank_assignment(device, "127.0.0.1", port)
-                write_atomically(local.file("plan", device), assignment.model_dump_json())
         _watch(workers, Path(job.output), tick=tick)
         if tick is not None:
             tick()
         results = [local.result(d) for d in devices]
-        if plan is not None:
+        if plan is not None and not (state is not None and state.finished):
             report = planned_report(job, dims, plan, profiles, device_speeds, results)
         else:
             report = build_report(
@@ -254,6 +336,15 @@ def run_local(
                 stages=stages,
                 dims=dims,
             )
+        if state is not None:  # as its device last wrote it
+            report = report.model_copy(update={"head_start": _head_state(local.head_start_file)})
+        if plan is not None and state is not None and state.finished:  # it trained the job: the others were left out
+            excluded = [
+                ExcludedDevice(device=d, speed=device_speeds[d], reason=why)
+                for d, why in enumerate(plan.reasons)
+                if why
+            ]
+            report = report.model_copy(update={"excluded": excluded})
         return report.model_copy(update={"job_seconds": time.perf_counter() - started})
     finally:
         local.close()

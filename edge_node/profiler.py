@@ -265,6 +265,29 @@ def _with_lora(module: torch.nn.Module, names: tuple[str, ...], lora: LoraOption
     return trained
 
 
+def profile_shape(config, micro_batch: int, seq_len: int, threads: int) -> ProfileShape:
+    """The shapes a profile is measured at, and cached by: the model's layer sizes, the micro-batch, the threads."""
+    dims = ModelDims.from_config(config)
+    return ProfileShape(
+        hidden_size=dims.hidden_size,
+        head_dim=dims.head_dim,
+        heads_per_group=dims.heads_per_group,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        mlp_block=dims.mlp_block,
+        vocab_block=dims.vocab_block,
+        threads=threads,
+    )
+
+
+def cached_profile(
+    shape: ProfileShape, device: str, speed_hint: float | None, lora: LoraOptions | None
+) -> DeviceProfile | None:
+    """This device's cached profile at `shape`, if one is young enough to plan with (None: profile afresh)."""
+    cache = _cache_path(shape, device, speed_hint, lora)
+    return DeviceProfile.model_validate_json(cache.read_text()) if _fresh(cache, _max_age_seconds()) else None
+
+
 def profile_device(
     config,
     micro_batch: int,
@@ -280,20 +303,11 @@ def profile_device(
     """Measure this device at the job's shapes (or reuse a cached profile of the same shapes), with
     `lora` applied for a LoRA job."""
     dims = ModelDims.from_config(config)
-    shape = ProfileShape(
-        hidden_size=dims.hidden_size,
-        head_dim=dims.head_dim,
-        heads_per_group=dims.heads_per_group,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        mlp_block=dims.mlp_block,
-        vocab_block=dims.vocab_block,
-        threads=threads,
-    )
+    shape = profile_shape(config, micro_batch, seq_len, threads)
     memory = memory_bytes or available_memory_bytes()
     cache = _cache_path(shape, device, speed_hint, lora)
-    if use_cache and _fresh(cache, _max_age_seconds()):
-        cached = DeviceProfile.model_validate_json(cache.read_text())
+    cached = cached_profile(shape, device, speed_hint, lora) if use_cache else None
+    if cached is not None:
         return cached.model_copy(update={"memory_bytes": memory, "address": address})
 
     started = time.perf_counter()

@@ -21,6 +21,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -101,6 +102,16 @@ class WorkerSpec(BaseModel):
     memory_bytes: int | None = None
     profile_file: str | None = None
     plan_file: str | None = None
+    head_start: bool = Field(
+        False,
+        description="Mode xronos run locally, the fastest device: train alone from the first step while the "
+        "others profile, and hand the model over when the plan arrives (`edge_node.head_start`).",
+    )
+    head_start_file: str | None = Field(
+        None,
+        description="Where the head start's device writes its progress (`HeadStart`), and where the others "
+        "read the checkpoint it handed over through.",
+    )
     rows_file: str
     resume_from: str | None = Field(
         None, description="The checkpoint to continue from (`--resume`), verified before the worker started."
@@ -301,7 +312,10 @@ class Trainer:
         self.optimizer.step()
         return total
 
-    def train(self) -> None:
+    def train(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Train the job's steps from `start_step` and save the final model; True when it did. `stop`, asked
+        after every step but the last, ends the training there without a save (the caller saves what it
+        needs: a head start's handoff checkpoint, `steps_done`): False."""
         steps = range(self.start_step, self.job.steps)
         bar = None
         if self.spec.show_progress:
@@ -330,6 +344,10 @@ class Trainer:
                 bar.update()
             if self.replan_due(step):
                 self.replan()
+            if stop is not None and step + 1 < self.job.steps and stop():
+                if bar is not None:
+                    bar.close()
+                return False
             every = self.job.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < self.job.steps:
                 self.save_checkpoint(step + 1)
@@ -338,6 +356,12 @@ class Trainer:
         self.trained_bytes = self.param_bytes()  # what training held (a merge may upcast a bfloat16 base)
         self.save_final()
         self.timeline.mark("saved")
+        return True
+
+    @property
+    def steps_done(self) -> int:
+        """The job's steps trained so far, a resumed checkpoint's included."""
+        return self.start_step + len(self.step_seconds)
 
     def _log_progress(self, step: int) -> None:
         """One line per step for the node agent: loss, and this rank's compute, comm and idle seconds.
@@ -489,7 +513,7 @@ class Trainer:
         accum = self.job.grad_accum
         started = time.perf_counter()
         self.last_check = ReplanCheck(
-            after_step=len(self.step_seconds) + self.start_step,
+            after_step=self.steps_done,
             measured_compute_seconds=[m.total * accum for m in measured],
             measured_segment_seconds=[tuple(x * accum for x in m.segments) for m in measured],
             predicted_compute_seconds=[s * accum for s in predicted],
@@ -531,7 +555,7 @@ class Trainer:
         kept_gain = last.predicted_gain if last is not None and last.new_split is None else None
         timed = [c.reshard_seconds for c in self.replans if c.reshard_seconds is not None]
         cost = timed[-1] if timed else reshard_seconds(self.profiles, self.dims, self.job)
-        steps_left = self.job.steps - self.start_step - len(self.step_seconds)
+        steps_left = self.job.steps - self.steps_done
         return max(
             min_replan_gain(kept_gain, cost, step_seconds, steps_left), payback_gain(cost, step_seconds, steps_left)
         )

@@ -18,6 +18,7 @@ from typing import NoReturn
 import torch
 
 from edge_node.cpu_quota import join_quota
+from edge_node.head_start import handed_over, head_start, starts_ahead
 from edge_node.model_io import load_config, model_class
 from edge_node.timeline import Timeline
 from edge_node.trainer import Trainer, WorkerSpec
@@ -72,7 +73,9 @@ def profile_and_wait(spec: WorkerSpec, timeline: Timeline) -> WorkerSpec | None:
         time.sleep(0.05)
     assignment = RankAssignment.model_validate_json(plan.read_text())
     timeline.mark("plan_received")
-    return None if assignment.rank is None else spec.model_copy(update={"assignment": assignment})
+    if assignment.rank is None:
+        return None
+    return spec.model_copy(update={"assignment": assignment, "resume_from": handed_over(spec) or spec.resume_from})
 
 
 def main(argv: list[str]) -> int:
@@ -87,8 +90,8 @@ def main(argv: list[str]) -> int:
             join_quota(spec.quota_file, spec.cpus)
         timeline.mark("imports")
         if spec.assignment is None:
-            planned = profile_and_wait(spec, timeline)
-            if planned is None:  # the plan leaves this device out
+            planned = head_start(spec, timeline) if starts_ahead(spec) else profile_and_wait(spec, timeline)
+            if planned is None:  # the plan leaves this device out (or its head start trained the whole job)
                 return 0
             spec = planned
         assert spec.assignment is not None

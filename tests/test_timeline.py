@@ -12,8 +12,8 @@ from xronos.contract.job import JobOptions
 from xronos.contract.report import TIMELINE_EVENTS, RankResult, TimelineEvent
 
 SPLIT = {"kv_groups": [2, 1], "mlp_columns": [96, 64], "vocab_rows": [200, 120]}
-TP_PHASES = [e for e in TIMELINE_EVENTS if e not in ("profiled", "plan_received", "reshard")]
-"""What every rank of a TP job with a given split marks: no profile, no plan to wait for, no re-shard."""
+TP_PHASES = [e for e in TIMELINE_EVENTS if e not in ("profiled", "handoff", "plan_received", "reshard")]
+"""What every rank of a TP job with a given split marks: no profile, no head start, no plan to wait for, no re-shard."""
 
 
 def _job(model, data, out, mode: str) -> JobOptions:

@@ -338,6 +338,7 @@ def cmd_run(args) -> int:
         show_progress=not args.quiet,
         metrics_port=args.metrics_port,
         memory_caps=args.memory,
+        head_start=args.head_start,
     )
     if args.report:
         Path(args.report).write_text(report.model_dump_json(indent=2))
@@ -687,6 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--split", type=_split, help="explicit split, e.g. kv=5/2/1,mlp=128/64/0,vocab=100/100/56 (pp: layers=10/12/8)"
     )
     run.add_argument("--threads", type=_whole(1, MAX_THREADS), default=1, help="torch threads per worker")
+    run.add_argument(
+        "--no-head-start",
+        dest="head_start",
+        action="store_false",
+        help="xronos mode: the fastest device profiles too, rather than train alone while the others profile",
+    )
     run.add_argument("--report", help="write the JSON report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument(

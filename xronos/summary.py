@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xronos.contract.report import NodeReport, ReplanCheck, RunReport, describe_layout, drifted
+from xronos.contract.report import HeadStart, NodeReport, ReplanCheck, RunReport, describe_layout, drifted
 from xronos.contract.splits import kv_label
 
 
@@ -39,6 +39,8 @@ def print_report(report: RunReport) -> None:
         )
     if report.collective is not None:
         print(report.collective.describe())
+    if report.head_start is not None:
+        print(head_start_line(report.head_start))
     if report.layout_choice is not None:
         print(f"layout: {report.layout_choice.describe()}")
     for e in report.excluded:
@@ -46,6 +48,15 @@ def print_report(report: RunReport) -> None:
         print(f"left out: {f'node {e.name}' if e.name else f'device {e.device}'} (speed {speed}): {e.reason}")
     for line in replan_lines(report):
         print(line)
+
+
+def head_start_line(head: HeadStart) -> str:
+    """What the head start trained, and how it ended: handed over (through which checkpoint, in how long),
+    or trained to the end."""
+    trained = f"head start: device {head.device} trained {head.steps} step(s) alone while the others profiled"
+    if head.checkpoint is not None:
+        return f"{trained}, then handed over through {head.checkpoint} ({head.handoff_seconds or 0:.1f} s)"
+    return f"{trained}, and went on alone to the end" if head.finished else trained
 
 
 def replan_lines(report: RunReport) -> list[str]:

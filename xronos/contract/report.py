@@ -93,6 +93,7 @@ class CollectiveChoice(BaseModel):
 TIMELINE_EVENTS = (
     "imports",
     "profiled",
+    "handoff",
     "plan_received",
     "process_group",
     "model_loaded",
@@ -110,8 +111,8 @@ TIMELINE_EVENTS = (
 class TimelineEvent(BaseModel):
     """A start-up phase (or a re-shard) of one worker ending: `at_seconds` after its process started.
 
-    Names, in the order they occur: `imports`, `profiled` and `plan_received` (profiled modes),
-    `process_group`, `model_loaded`, `collective_chosen` (TP modes on more than one rank), `barrier`,
+    Names, in the order they occur: `imports`, `profiled` and `plan_received` (profiled modes; a head start's
+    device trains its first steps before `handoff`, with its `seconds`, instead of `profiled`), `process_group`, `model_loaded`, `collective_chosen` (TP modes on more than one rank), `barrier`,
     `first_step`, `second_step`, `reshard` (each, with its
     `seconds`), `last_step`, `saved`."""
 
@@ -148,6 +149,28 @@ class RankResult(BaseModel):
     """When the worker process started (Unix time), the origin of its `timeline`."""
     timeline: list[TimelineEvent] = []
     """When the worker's start-up phases, first steps, re-shards, last step and save ended."""
+
+
+class HeadStart(BaseModel):
+    """Mode xronos run locally: the fastest device trained alone from the job's first step while the others
+    profiled, and handed its model over at a step boundary once the plan was made (`edge_node.head_start`).
+
+    Its worker rewrites this after every step (the launcher plans with its pace); the report keeps the last.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: int
+    steps: int
+    """Steps it trained alone: up to the handoff, or the whole job when it ended first."""
+    compute_seconds: list[float]
+    """Each of those steps' compute seconds (wall less the time in collectives)."""
+    checkpoint: str | None = None
+    """The checkpoint it handed over through (None: no handoff yet, or none: it trained to the end)."""
+    handoff_seconds: float | None = None
+    """Seconds the handoff checkpoint took to write."""
+    finished: bool = False
+    """It trained the whole job (the plan kept it alone, or the job ended before any plan)."""
 
 
 class ExcludedDevice(BaseModel):
@@ -224,6 +247,8 @@ class RunReport(BaseModel):
     end (checks, worker start-up, profiling, planning, training, the save), the command's own imports aside."""
     layout_choice: LayoutChoice | None = None
     """Mode xronos: the layouts its planner priced by the job's predicted time, the chosen one first."""
+    head_start: HeadStart | None = None
+    """Mode xronos run locally: the steps its fastest device trained alone while the others profiled."""
 
 
 WARMUP_STEPS = 2
