@@ -81,8 +81,9 @@ def _train_until_plan(spec: WorkerSpec, timeline: Timeline) -> Path | None:
         master_port=free_port(),
         split=split_for_mode("single", dims, 1, None),
     )
-    trainer = Trainer(spec.model_copy(update={"assignment": alone}), timeline)
     progress, plan = Path(spec.head_start_file), Path(spec.plan_file)
+    write_atomically(progress, HeadStart(device=spec.device, steps=0, compute_seconds=[]).model_dump_json())
+    trainer = Trainer(spec.model_copy(update={"assignment": alone}), timeline)
 
     def state(**update) -> HeadStart:
         compute = [wall - comm for wall, comm in zip(trainer.step_seconds, trainer.comm_seconds)]

@@ -49,7 +49,7 @@ def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None, tick=Non
     """
     try:
         while True:
-            codes = [w.proc.poll() for w in workers]
+            codes = [0 if w.retired else w.proc.poll() for w in workers]
             failed = next((w for w, rc in zip(workers, codes) if rc not in (None, 0)), None)
             if failed is not None:
                 stop_all(workers)
@@ -126,14 +126,15 @@ class LocalWorkers:
         """Device `device`'s file of `kind` (spec, result, profile, plan, progress) in the run's directory."""
         return self.dir / f"{kind}-{device}.{suffix}"
 
-    def start(self, spec, device: int, module: str = "edge_node.worker") -> WorkerProcess:
-        """Start device `device`'s worker for `spec` under its quota and cores (device 0 echoes its progress)."""
+    def start(self, spec, device: int, module: str = "edge_node.worker", again: bool = False) -> WorkerProcess:
+        """Start device `device`'s worker for `spec` under its quota and cores (device 0 echoes its progress);
+        `again`: a second worker of the device (`restart`), with a log and a quota of its own."""
         worker, quota = start_worker(
             spec,
             self.file("spec", device),
-            self.file("device", device, "log"),
+            self.file("restarted" if again else "device", device, "log"),
             self.speeds[device],
-            f"xronos-{self.id}-d{device}",
+            f"xronos-{self.id}-d{device}" + ("-again" if again else ""),
             echo=self.show_progress and device == 0,
             threads=self.threads,
             cpus=self.cpus[device] if self.cpus else None,
@@ -142,6 +143,19 @@ class LocalWorkers:
         self.workers.append(worker)
         self.quotas += [quota] if quota is not None else []
         return worker
+
+    def restart(self, device: int, assignment: RankAssignment) -> None:
+        """Stop device `device`'s worker, and start one in its place with `assignment` (no profiling, no head
+        start); nothing in its place when the assignment leaves the device out."""
+        stop_all([self.workers[device]])
+        self.workers[device].rank, self.workers[device].retired = None, True
+        if assignment.rank is None:
+            return
+        spec = WorkerSpec.model_validate_json(self.file("spec", device).read_text())
+        unplanned = {"profile_file": None, "plan_file": None, "head_start": False, "quota_file": None, "cpus": None}
+        self.start(spec.model_copy(update={"assignment": assignment} | unplanned), device, again=True)
+        self.workers[device] = self.workers.pop()
+        self.workers[device].rank = assignment.rank
 
     def result(self, device: int) -> RankResult:
         return RankResult.model_validate_json(self.file("result", device).read_text())
@@ -172,18 +186,13 @@ def _head_state(path: Path) -> HeadStart | None:
 
 
 def _plannable(profile_files: list[Path], head: int | None, head_file: Path) -> bool:
-    """Whether the plan can be made: every profile is in, the head start's device's but for its steady pace
-    (`steady_compute`), or the head start has trained the whole job."""
+    """Whether the plan can be made: every profile is in but that of a head start's device, which has begun (it
+    wrote its progress file), or the head start has trained the whole job."""
     state = _head_state(head_file) if head is not None and not profile_files[head].is_file() else None
     if state is not None and state.finished:
         return True
-    if not all(p.is_file() for d, p in enumerate(profile_files) if d != head):
-        return False
-    return (
-        head is None
-        or profile_files[head].is_file()
-        or (state is not None and steady_compute(state.compute_seconds) is not None)
-    )
+    others = all(p.is_file() for d, p in enumerate(profile_files) if d != head)
+    return others and (head is None or profile_files[head].is_file() or state is not None)
 
 
 def _handed_over(head_file: Path) -> bool:
@@ -205,13 +214,22 @@ def _plan_profiled(
     _watch(workers, output, until=partial(_plannable, profile_files, head, head_file), tick=tick)
     state = _head_state(head_file) if head is not None and not profile_files[head].is_file() else None
     profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files if p.is_file()]
+    pace = steady_compute(state.compute_seconds) if state is not None else None
     if state is None or head is None:
         plan = plan_job(job, dims, profiles)
     elif state.finished:  # before any plan; the others go once they have profiled
         plan = trained_ahead(dims, head, len(workers))
+    elif pace is None:  # no steady step yet: its steps are too long for the head start to pay; start afresh
+        own = head_start_profile(profiles, dims, None, f"device-{head}", local.speeds[head], memory[head])
+        profiles.insert(head, own)
+        plan = plan_job(job, dims, profiles)
+        local.restart(head, plan.rank_assignment(head, "127.0.0.1", port))
+        state = state.model_copy(update={"given_up": True})
+        write_atomically(head_file, state.model_dump_json())
     else:
-        pace = (steady_compute(state.compute_seconds) or 0.0) / job.grad_accum  # there is one: `_plannable`
-        own = head_start_profile(profiles, dims, pace, f"device-{head}", local.speeds[head], memory[head])
+        own = head_start_profile(
+            profiles, dims, pace / job.grad_accum, f"device-{head}", local.speeds[head], memory[head]
+        )
         profiles.insert(head, own)
         plan = plan_job(job, dims, profiles, state)
         if plan.members != [head]:  # it checkpoints before the others read the checkpoint
@@ -226,7 +244,7 @@ def _plan_profiled(
             assignment = plan.rank_assignment(device, "127.0.0.1", port)
             write_atomically(local.file("plan", device), assignment.model_dump_json())
     for worker, rank in zip(workers, plan.ranks):
-        worker.rank = rank
+        worker.rank = None if worker.retired else rank
     return plan, profiles, state
 
 

@@ -138,9 +138,9 @@ def _forked_worker(module: str, argv: list[str], env: dict[str, str], log_file: 
     except BaseException:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)  # no teardown: edge_node.worker.exit_now
+    from edge_node.worker import exit_now  # preloaded
+
+    exit_now(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -222,6 +222,8 @@ class WorkerProcess:
         self.device = device
         self.log_file = log_file
         self.rank: int | None = None  # known once the split is
+        self.retired = False
+        """Stopped on purpose by whoever started it (a head start given up): its exit is no failure."""
         log_file.write_bytes(b"")
         process = worker_server().Process(
             target=_forked_worker, args=(module, [str(spec_file)], env, str(log_file), cpus)

@@ -128,3 +128,20 @@ def test_a_job_shorter_than_the_others_profiling_is_the_head_starts_alone(model_
         head_start=False,
     )
     assert plain.head_start is None and plain.layout_choice is not None
+
+
+def test_a_head_start_without_a_steady_step_when_the_others_have_profiled_is_given_up(data_file, tmp_path, monkeypatch):
+    """Steps too long for the head start to pay (a large vocabulary, 32-row batches: seconds a step, while the
+    other device profiles in about two): the plan does not wait for the head start's steady step; its device
+    starts afresh with the plan, from the model, and the job equals single-process training."""
+    monkeypatch.setenv("XRONOS_PROFILE_CACHE", str(tmp_path / "cache"))
+    model = make_model(tmp_path / "model", hidden=256, layers=1, heads=4, kv_heads=2, intermediate=512, vocab=96000)
+    options = dict(steps=3, batch_size=32)
+    single = run_local(_job(model, data_file, tmp_path / "single", "single", **options), 1, show_progress=False)
+    report = run_local(
+        _job(model, data_file, tmp_path / "xronos", "xronos", **options), 2, [1.0, 0.5], show_progress=False
+    )
+    head = report.head_start
+    assert head is not None and head.given_up and head.steps < 3 and head.checkpoint is None
+    _equal_losses(report.losses, single.losses)
+    assert len(report.profiles) == 2 and report.profiles[0].profile_seconds == 0  # priced by the speeds

@@ -28,7 +28,7 @@ from xronos.contract.errors import XronosError
 from xronos.contract.job import MODES, JobOptions
 from xronos.contract.report import RunReport, describe_layout
 from xronos.contract.splits import ModelDims
-from xronos.summary import node_seconds, replan_lines
+from xronos.summary import head_start_text, node_seconds, replan_lines
 
 BENCH_MODES: tuple[str, ...] = (*MODES, HF_TP)
 """What `--modes` takes: the job modes, and transformers' TP as a reference (not in the default: its
@@ -310,6 +310,12 @@ def print_bench(result: BenchResult) -> None:
         chosen = [r.layout_choice.chosen.describe() for r in result.round_reports.get("xronos", []) if r.layout_choice]
         if len(set(chosen)) > 1:  # the rounds chose differently
             print("xronos layouts by round: " + "; ".join(chosen))
+    heads = [r.head_start for r in result.round_reports.get("xronos", [])]
+    if any(heads):
+        print(
+            "xronos head start by round: "
+            + "; ".join(f"{k + 1}: {head_start_text(h)}" for k, h in enumerate(heads) if h)
+        )
     if "xronos" in reports and reports["xronos"].replans:
         print("\nxronos (its median round), rank order:\n" + "\n".join(replan_lines(reports["xronos"])))
     if "xronos" in reports and "tp" in reports and reports["xronos"].idle_ratio > 0:

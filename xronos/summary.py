@@ -40,7 +40,7 @@ def print_report(report: RunReport) -> None:
     if report.collective is not None:
         print(report.collective.describe())
     if report.head_start is not None:
-        print(head_start_line(report.head_start))
+        print(f"head start, while the others profiled: {head_start_text(report.head_start)}")
     if report.layout_choice is not None:
         print(f"layout: {report.layout_choice.describe()}")
     for e in report.excluded:
@@ -50,12 +50,14 @@ def print_report(report: RunReport) -> None:
         print(line)
 
 
-def head_start_line(head: HeadStart) -> str:
-    """What the head start trained, and how it ended: handed over (through which checkpoint, in how long),
-    or trained to the end."""
-    trained = f"head start: device {head.device} trained {head.steps} step(s) alone while the others profiled"
+def head_start_text(head: HeadStart) -> str:
+    """What the head start trained, and how it ended: handed over (its checkpoint written in how long), or
+    trained to the end."""
+    trained = f"device {head.device} trained {head.steps} step(s) alone"
+    if head.given_up:
+        return f"{trained}, then gave them up: the others had profiled before it had a steady step to be priced by"
     if head.checkpoint is not None:
-        return f"{trained}, then handed over through {head.checkpoint} ({head.handoff_seconds or 0:.1f} s)"
+        return f"{trained}, then handed over ({head.handoff_seconds or 0:.2f} s to write its checkpoint)"
     return f"{trained}, and went on alone to the end" if head.finished else trained
 
 

@@ -171,6 +171,9 @@ class HeadStart(BaseModel):
     """Seconds the handoff checkpoint took to write."""
     finished: bool = False
     """It trained the whole job (the plan kept it alone, or the job ended before any plan)."""
+    given_up: bool = False
+    """The others' profiles were in before it had a steady step to be priced by (its steps too long for a head
+    start to pay): its worker was stopped, and the device started afresh with the plan, from the model."""
 
 
 class ExcludedDevice(BaseModel):

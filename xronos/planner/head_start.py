@@ -44,15 +44,19 @@ def whole_model_seconds(profile: DeviceProfile, dims: ModelDims) -> float:
 def head_start_profile(
     others: list[DeviceProfile],
     dims: ModelDims,
-    micro_step_seconds: float,
+    micro_step_seconds: float | None,
     device: str,
     speed_hint: float | None,
     memory_bytes: int,
 ) -> DeviceProfile:
     """A profile for `device`, which trained `micro_step_seconds` of compute per micro-step on the whole model:
-    the fastest of `others` scaled to that pace, its exchange costs with it."""
+    the fastest of `others` scaled to that pace, its exchange costs with it. Without a pace (a head start given
+    up before a steady step), scaled by the speeds (the emulation's; the same pace where either is unknown)."""
     base = min(others, key=lambda p: whole_model_seconds(p, dims))
-    factor = micro_step_seconds / whole_model_seconds(base, dims)
+    if micro_step_seconds is not None:
+        factor = micro_step_seconds / whole_model_seconds(base, dims)
+    else:
+        factor = base.speed_hint / speed_hint if base.speed_hint and speed_hint else 1.0
     scaled = recalibrate(base, factor)
     exchange = {field: getattr(base, field) * factor for field in EXCHANGE_FIELDS}
     identity = {"device": device, "speed_hint": speed_hint, "memory_bytes": memory_bytes, "address": None}
