@@ -10,8 +10,8 @@ times its compute per step, and it rewrites the `HeadStart` file after every
 step. The launcher plans once the others' profiles are in, with a profile made
 from those steps (`xronos.planner.head_start`), for the steps left. When the
 plan arrives, the device finishes the step under way, writes a checkpoint of
-where it stands (the parameters and their AdamW moments) and names it in the
-file; every member of the plan resumes from it, as a job resumed on another set
+where it stands (the parameters and their AdamW moments) in the run's own
+directory and names it in the file; every member of the plan resumes from it, as a job resumed on another set
 of devices does (issue 30), so the job's numbers equal single-process
 training's. A plan that keeps the device alone writes no plan to it: it trains
 on to the end, as does a job shorter than the others' profiling.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from edge_node import checkpoint
 from edge_node.model_io import load_config
 from edge_node.timeline import Timeline
 from edge_node.trainer import Trainer, WorkerSpec
@@ -36,16 +35,18 @@ from xronos.contract.report import HeadStart
 from xronos.contract.splits import ModelDims
 from xronos.planner.planning import split_for_mode
 
+PACE_STEPS = 10
+"""The steps whose compute the progress file keeps: the warm-up and eight steady ones price the device; a head
+start the plan keeps alone goes on writing its progress every step, and the file stays this small."""
+
 
 def starts_ahead(spec: WorkerSpec) -> bool:
     """Whether this worker takes the head start: the launcher offered it, and its profile is not cached."""
     if not spec.head_start or spec.head_start_file is None or spec.plan_file is None:
         return False
-    from edge_node.profiler import cached_profile, profile_shape
+    from edge_node.profiler import job_cached_profile
 
-    job = spec.job
-    shape = profile_shape(load_config(job.model), job.batch_size // job.grad_accum, job.seq_len, spec.threads)
-    return cached_profile(shape, spec.name or f"device-{spec.device}", spec.speed_hint, job.lora) is None
+    return job_cached_profile(spec.job, spec.threads, spec.name or f"device-{spec.device}", spec.speed_hint) is None
 
 
 def handed_over(spec: WorkerSpec) -> str | None:
@@ -63,7 +64,6 @@ def head_start(spec: WorkerSpec, timeline: Timeline) -> WorkerSpec | None:
     if handoff is None:
         return None
     assignment = RankAssignment.model_validate_json(Path(str(spec.plan_file)).read_text())
-    timeline.mark("plan_received")
     if assignment.rank is None:
         return None
     return spec.model_copy(update={"assignment": assignment, "resume_from": str(handoff)})
@@ -86,12 +86,16 @@ def _train_until_plan(spec: WorkerSpec, timeline: Timeline) -> Path | None:
     trainer = Trainer(spec.model_copy(update={"assignment": alone}), timeline)
 
     def state(**update) -> HeadStart:
-        compute = [wall - comm for wall, comm in zip(trainer.step_seconds, trainer.comm_seconds)]
-        return HeadStart(device=spec.device, steps=len(compute), compute_seconds=compute, **update)
+        timed = zip(trainer.step_seconds[:PACE_STEPS], trainer.comm_seconds[:PACE_STEPS])
+        compute = [wall - comm for wall, comm in timed]
+        return HeadStart(device=spec.device, steps=len(trainer.step_seconds), compute_seconds=compute, **update)
 
     def plan_arrived() -> bool:
         write_atomically(progress, state().model_dump_json())
-        return plan.is_file()
+        if not plan.is_file():
+            return False
+        timeline.mark("plan_received")
+        return True
 
     try:
         if trainer.train(stop=plan_arrived):
@@ -99,10 +103,10 @@ def _train_until_plan(spec: WorkerSpec, timeline: Timeline) -> Path | None:
             write_atomically(progress, state(finished=True).model_dump_json())
             return None
         started = time.perf_counter()
-        trainer.save_checkpoint(trainer.steps_done)
+        handoff = progress.parent / f"handoff-{trainer.steps_done:08d}"  # the run's own: not the output's to prune
+        trainer.save_checkpoint(trainer.steps_done, handoff)
         seconds = time.perf_counter() - started
         timeline.mark("handoff", seconds)
-        handoff = checkpoint.checkpoint_dir(trainer.output, trainer.steps_done)
         write_atomically(progress, state(checkpoint=str(handoff), handoff_seconds=seconds).model_dump_json())
         return handoff
     finally:

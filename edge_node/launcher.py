@@ -24,6 +24,7 @@ from edge_node.cpu_quota import pack_cores
 from edge_node.memory import available_memory_bytes
 from edge_node.metrics import NodeMetrics
 from edge_node.preflight import job_inputs
+from edge_node.profiler import job_cached_profile, remember_profile
 from edge_node.trainer import WorkerSpec
 from edge_node.worker_process import ProgressFile, WorkerProcess, free_port, start_worker, stop_all, warm_worker_server
 from xronos.contract.assignment import RankAssignment
@@ -144,18 +145,18 @@ class LocalWorkers:
         self.quotas += [quota] if quota is not None else []
         return worker
 
-    def restart(self, device: int, assignment: RankAssignment) -> None:
-        """Stop device `device`'s worker, and start one in its place with `assignment` (no profiling, no head
-        start); nothing in its place when the assignment leaves the device out."""
+    def retire(self, device: int) -> None:
+        """Stop device `device`'s worker on purpose: its exit is no failure (`WorkerProcess.retired`)."""
         stop_all([self.workers[device]])
-        self.workers[device].rank, self.workers[device].retired = None, True
-        if assignment.rank is None:
-            return
+        self.workers[device].retired = True
+
+    def restart(self, device: int, assignment: RankAssignment) -> None:
+        """Start device `device`'s worker afresh, in place of its retired one, with `assignment` (no profiling,
+        no head start)."""
         spec = WorkerSpec.model_validate_json(self.file("spec", device).read_text())
         unplanned = {"profile_file": None, "plan_file": None, "head_start": False, "quota_file": None, "cpus": None}
         self.start(spec.model_copy(update={"assignment": assignment} | unplanned), device, again=True)
         self.workers[device] = self.workers.pop()
-        self.workers[device].rank = assignment.rank
 
     def result(self, device: int) -> RankResult:
         return RankResult.model_validate_json(self.file("result", device).read_text())
@@ -168,16 +169,26 @@ class LocalWorkers:
 
 
 def _head_start_device(
-    job: JobOptions, dims: ModelDims, profiled: bool, speeds: list[float | None], memory: list[int], head_start: bool
+    job: JobOptions,
+    dims: ModelDims,
+    profiled: bool,
+    speeds: list[float | None],
+    memory: list[int],
+    threads: int,
+    head_start: bool,
 ) -> int | None:
     """The device that trains alone while the others profile (`edge_node.head_start`): the fastest (the first
     of equals) that holds the whole model, in a mode xronos job over several devices that may keep one device
-    alone (None: no head start)."""
+    alone, where some other device profiles afresh (None: no head start)."""
     if not (head_start and profiled and job.mode == "xronos" and len(speeds) > 1 and "single" in job.layouts):
         return None
     micro_batch = job.batch_size // job.grad_accum
     able = [d for d, m in enumerate(memory) if holds_whole_model(m, dims, micro_batch, job.seq_len, job.lora)]
-    return max(able, key=lambda d: (speeds[d] or 0.0, -d), default=None)
+    head = max(able, key=lambda d: (speeds[d] or 0.0, -d), default=None)
+    others = [d for d in range(len(speeds)) if d != head]
+    if all(job_cached_profile(job, threads, f"device-{d}", speeds[d]) for d in others):
+        return None  # their profiles come at once: the plan would not wait, nor a head start pay
+    return head
 
 
 def _head_state(path: Path) -> HeadStart | None:
@@ -205,47 +216,59 @@ def _plan_profiled(
     job: JobOptions, dims: ModelDims, local: LocalWorkers, head: int | None, port: int, memory: list[int], tick
 ) -> tuple[JobPlan, list[DeviceProfile], HeadStart | None]:
     """Plan a profiled job once its profiles are in, and write each worker its part. With a head start under
-    way its device's profile is made from its steps, and it hands its model over before the others read it;
-    a head start that trained the whole job leaves the others out, and one the plan keeps alone goes on, told
-    nothing. Returns the plan, the profiles (device order) and the head start's last state (None: none)."""
+    way, its device is priced by its steady steps, and it hands its model over before the others read it (or
+    goes on, told nothing, when the plan keeps it alone); without a steady step by then it is given up and its
+    device started afresh; one that trained the whole job leaves the others out. Returns the plan, the
+    profiles (device order) and the head start's last state (None: none)."""
     workers, output = local.workers, Path(job.output)
     profile_files = [local.file("profile", d) for d in range(len(workers))]
     head_file = local.head_start_file
     _watch(workers, output, until=partial(_plannable, profile_files, head, head_file), tick=tick)
     state = _head_state(head_file) if head is not None and not profile_files[head].is_file() else None
     profiles = [DeviceProfile.model_validate_json(p.read_text()) for p in profile_files if p.is_file()]
-    pace = steady_compute(state.compute_seconds) if state is not None else None
     if state is None or head is None:
+        return _hand_out(plan_job(job, dims, profiles), local, port, None), profiles, None
+    pace = steady_compute(state.compute_seconds)
+    if pace is None and not state.finished:  # its steps are too long for the head start to pay
+        local.retire(head)
+        state = _head_state(head_file) or state  # as it was when stopped: it may have just finished
+    if state.finished:  # the whole job, before any plan: the others, maybe still profiling, are not needed
+        for device in range(len(workers)):
+            if device != head:
+                local.retire(device)
+        return _hand_out(trained_ahead(dims, head, len(workers)), local, port, head), profiles, state
+    own = head_start_profile(
+        profiles, dims, pace / job.grad_accum if pace else None, f"device-{head}", local.speeds[head], memory[head]
+    )
+    profiles.insert(head, own)
+    if pace is None:  # given up: the device starts afresh with its part, as every member does
         plan = plan_job(job, dims, profiles)
-    elif state.finished:  # before any plan; the others go once they have profiled
-        plan = trained_ahead(dims, head, len(workers))
-    elif pace is None:  # no steady step yet: its steps are too long for the head start to pay; start afresh
-        own = head_start_profile(profiles, dims, None, f"device-{head}", local.speeds[head], memory[head])
-        profiles.insert(head, own)
-        plan = plan_job(job, dims, profiles)
-        local.restart(head, plan.rank_assignment(head, "127.0.0.1", port))
+        if plan.ranks[head] is not None:
+            local.restart(head, plan.rank_assignment(head, "127.0.0.1", port))
         state = state.model_copy(update={"given_up": True})
         write_atomically(head_file, state.model_dump_json())
-    else:
-        own = head_start_profile(
-            profiles, dims, pace / job.grad_accum, f"device-{head}", local.speeds[head], memory[head]
-        )
-        profiles.insert(head, own)
-        plan = plan_job(job, dims, profiles, state)
-        if plan.members != [head]:  # it checkpoints before the others read the checkpoint
-            assignment = plan.rank_assignment(head, "127.0.0.1", port)
-            write_atomically(local.file("plan", head), assignment.model_dump_json())
-            _watch(workers, output, until=partial(_handed_over, head_file), tick=tick)
-            state = _head_state(head_file)
-            if state is not None and state.finished:  # it trained the last step meanwhile: the others go
-                plan = trained_ahead(dims, head, len(workers))
-    for device in range(len(workers)):
-        if state is None or device != head:
-            assignment = plan.rank_assignment(device, "127.0.0.1", port)
-            write_atomically(local.file("plan", device), assignment.model_dump_json())
-    for worker, rank in zip(workers, plan.ranks):
-        worker.rank = None if worker.retired else rank
-    return plan, profiles, state
+        return _hand_out(plan, local, port, head), profiles, state
+    remember_profile(own, job.lora)  # its steps' pace: the next job of these shapes plans with it at once
+    plan = plan_job(job, dims, profiles, state)
+    if plan.members != [head]:  # it checkpoints before the others are told where to read it
+        write_atomically(local.file("plan", head), plan.rank_assignment(head, "127.0.0.1", port).model_dump_json())
+        _watch(workers, output, until=partial(_handed_over, head_file), tick=tick)
+        state = _head_state(head_file) or state
+        if state.finished:  # it trained the last step meanwhile: the others go
+            plan = trained_ahead(dims, head, len(workers))
+    return _hand_out(plan, local, port, head), profiles, state
+
+
+def _hand_out(plan: JobPlan, local: LocalWorkers, port: int, head: int | None) -> JobPlan:
+    """Write every worker its part of `plan` (but the head start's device, told already or not at all) and
+    note each worker's rank; returns the plan."""
+    for device, worker in enumerate(local.workers):
+        if device != head:
+            write_atomically(
+                local.file("plan", device), plan.rank_assignment(device, "127.0.0.1", port).model_dump_json()
+            )
+        worker.rank = plan.ranks[device]
+    return plan
 
 
 def run_local(
@@ -293,7 +316,7 @@ def run_local(
 
     shared = available_memory_bytes() // n_workers
     memory = [int(c * 2**30) for c in memory_caps] if memory_caps is not None else [shared] * n_workers
-    head = _head_start_device(job, dims, profiled, device_speeds, memory, head_start)
+    head = _head_start_device(job, dims, profiled, device_speeds, memory, threads, head_start)
     local = LocalWorkers(rows, device_speeds, threads, show_progress)
     workers, feeds = local.workers, []
     try:

@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 from edge_node.memory import available_memory_bytes
-from edge_node.model_io import ATTN_IMPLEMENTATION
+from edge_node.model_io import ATTN_IMPLEMENTATION, load_config
 from edge_node.optimizer import adamw
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
@@ -48,6 +48,7 @@ from edge_node.tp.lora import LoraLinear
 from edge_node.tp.weight_grads import WeightGradQueue, linear_weight_grad_later, weight_grads_later
 from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
+from xronos.contract.job import JobOptions
 from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import DeviceProfile, ProfileShape
 from xronos.contract.splits import ModelDims
@@ -305,7 +306,6 @@ def profile_device(
     dims = ModelDims.from_config(config)
     shape = profile_shape(config, micro_batch, seq_len, threads)
     memory = memory_bytes or available_memory_bytes()
-    cache = _cache_path(shape, device, speed_hint, lora)
     cached = cached_profile(shape, device, speed_hint, lora) if use_cache else None
     if cached is not None:
         return cached.model_copy(update={"memory_bytes": memory, "address": address})
@@ -428,6 +428,18 @@ def profile_device(
         profile_seconds=time.perf_counter() - started,
     )
     if use_cache:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(cache, profile.model_dump_json())
+        remember_profile(profile, lora)
     return profile
+
+
+def remember_profile(profile: DeviceProfile, lora: LoraOptions | None) -> None:
+    """Cache `profile` for the next job of its device and shapes (a day: `XRONOS_PROFILE_MAX_AGE`)."""
+    cache = _cache_path(profile.shape, profile.device, profile.speed_hint, lora)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(cache, profile.model_dump_json())
+
+
+def job_cached_profile(job: JobOptions, threads: int, device: str, speed_hint: float | None) -> DeviceProfile | None:
+    """`device`'s cached profile at `job`'s shapes (None: it would profile afresh)."""
+    shape = profile_shape(load_config(job.model), job.batch_size // job.grad_accum, job.seq_len, threads)
+    return cached_profile(shape, device, speed_hint, job.lora)

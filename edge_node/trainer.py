@@ -621,9 +621,10 @@ class Trainer:
             replicate=replicate,
         )
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, directory: Path | None = None) -> None:
         """A resumable checkpoint: model, AdamW moments, step and losses so far (on every rank, with
-        `replicate_checkpoints`: each then prunes its own)."""
+        `replicate_checkpoints`: each then prunes its own); in `directory` instead of the output's
+        checkpoints, and not pruned with them (a head start's handoff)."""
         state = {
             "step": step,
             "model": self.job.model,
@@ -632,6 +633,9 @@ class Trainer:
             "replans": [c.model_dump() for c in self.replans],
             "lora": self.lora.model_dump(mode="json") if self.lora is not None else None,
         }
+        if directory is not None:
+            self._save(directory, True, state)
+            return
         self._save(checkpoint.checkpoint_dir(self.output, step), True, state, self.spec.replicate_checkpoints)
         if self.rank == 0 or self.spec.replicate_checkpoints:
             checkpoint.prune_checkpoints(self.output, KEEP_CHECKPOINTS)

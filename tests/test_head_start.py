@@ -13,6 +13,7 @@ from conftest import VOCAB
 from test_job_time import devices, job
 from test_partitioner import DIMS
 
+from edge_node.head_start import PACE_STEPS
 from edge_node.launcher import run_local
 from edge_node.toy_model import make_model
 from xronos.contract.job import JobOptions
@@ -87,8 +88,9 @@ def test_a_job_handed_over_mid_way_equals_single_process_training(data_file, tmp
     )
     head = report.head_start
     assert head is not None and head.device == 0 and not head.finished
-    assert 3 <= head.steps < steps and len(head.compute_seconds) == head.steps
-    assert head.checkpoint == str(out / "checkpoints" / f"step-{head.steps:08d}") and head.handoff_seconds > 0
+    assert 3 <= head.steps < steps and len(head.compute_seconds) == min(head.steps, PACE_STEPS)
+    assert head.checkpoint.endswith(f"handoff-{head.steps:08d}") and head.handoff_seconds > 0
+    assert not (out / "checkpoints").exists()  # the run's own, not the user's output: gone with the run
     assert report.world_size == 2 and report.layout_choice.chosen.layout == "tp"
     # every step's loss, the head start's and the plan's, as single-process training's: float32 round-off,
     # which 150 steps grow to 1e-5 at most (9.6e-6 measured; a step that lost AdamW's moments at the handoff
@@ -98,7 +100,7 @@ def test_a_job_handed_over_mid_way_equals_single_process_training(data_file, tmp
     assert len(report.step_seconds) == steps - head.steps  # the plan's steps are the ones timed
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     events = [e.name for e in next(n for n in report.nodes if n.device == 0).timeline]
-    assert events.index("first_step") < events.index("handoff") < events.index("plan_received")
+    assert events.index("first_step") < events.index("plan_received") < events.index("handoff")
     assert "profiled" not in events  # it never profiled: its profile came from its steps
     own = report.profiles[0]
     assert own.device == "device-0" and own.profile_seconds == 0
@@ -128,6 +130,11 @@ def test_a_job_shorter_than_the_others_profiling_is_the_head_starts_alone(model_
         head_start=False,
     )
     assert plain.head_start is None and plain.layout_choice is not None
+    # and every device's profile is cached now: the plan comes at once, with no head start to wait for
+    again = run_local(
+        _job(model, data_file, tmp_path / "again", "xronos", steps=3), 3, [0.5, 1.0, 0.25], show_progress=False
+    )
+    assert again.head_start is None and all(p.profile_seconds > 0 for p in again.profiles)
 
 
 def test_a_head_start_without_a_steady_step_when_the_others_have_profiled_is_given_up(data_file, tmp_path, monkeypatch):

@@ -93,8 +93,8 @@ class CollectiveChoice(BaseModel):
 TIMELINE_EVENTS = (
     "imports",
     "profiled",
-    "handoff",
     "plan_received",
+    "handoff",
     "process_group",
     "model_loaded",
     "collective_chosen",
@@ -111,10 +111,11 @@ TIMELINE_EVENTS = (
 class TimelineEvent(BaseModel):
     """A start-up phase (or a re-shard) of one worker ending: `at_seconds` after its process started.
 
-    Names, in the order they occur: `imports`, `profiled` and `plan_received` (profiled modes; a head start's
-    device trains its first steps before `handoff`, with its `seconds`, instead of `profiled`), `process_group`, `model_loaded`, `collective_chosen` (TP modes on more than one rank), `barrier`,
-    `first_step`, `second_step`, `reshard` (each, with its
-    `seconds`), `last_step`, `saved`."""
+    Names, in the order they occur: `imports`, `profiled` and `plan_received` (profiled modes), `handoff`
+    (with its `seconds`: a head start's device, which trains its first steps instead of profiling, then
+    marks the phases below again), `process_group`, `model_loaded`, `collective_chosen` (TP modes on more
+    than one rank), `barrier`, `first_step`, `second_step`, `reshard` (each, with its `seconds`),
+    `last_step`, `saved`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -162,18 +163,18 @@ class HeadStart(BaseModel):
 
     device: int
     steps: int
-    """Steps it trained alone: up to the handoff, or the whole job when it ended first."""
+    """Steps it trained alone (in this run: after a resumed checkpoint's): up to the handoff, or to the job's end."""
     compute_seconds: list[float]
-    """Each of those steps' compute seconds (wall less the time in collectives)."""
+    """The compute seconds (wall less the time in collectives) of its first steps (at most ten)."""
     checkpoint: str | None = None
-    """The checkpoint it handed over through (None: no handoff yet, or none: it trained to the end)."""
+    """The checkpoint it handed over through, in the run's own directory (None: no handoff)."""
     handoff_seconds: float | None = None
     """Seconds the handoff checkpoint took to write."""
     finished: bool = False
     """It trained the whole job (the plan kept it alone, or the job ended before any plan)."""
     given_up: bool = False
     """The others' profiles were in before it had a steady step to be priced by (its steps too long for a head
-    start to pay): its worker was stopped, and the device started afresh with the plan, from the model."""
+    start to pay): its worker was stopped, and the device started afresh with the plan, as every member did."""
 
 
 class ExcludedDevice(BaseModel):

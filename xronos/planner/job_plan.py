@@ -193,7 +193,7 @@ def alone_plan(
     model (None: none holds it)."""
     split = split_for_mode("single", dims, 1, None)
     whole = split.shares()[0]
-    fitting = [d for d, p in enumerate(profiles) if _fits(job, dims, [p], split) and only in (None, d)]
+    fitting = [d for d, p in enumerate(profiles) if _fits(job, dims, [p], split) and (only is None or d == only)]
     if not fitting:
         return None
     device = min(fitting, key=lambda d: device_compute(profiles[d], dims, *whole))
