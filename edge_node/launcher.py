@@ -41,7 +41,8 @@ from xronos.planner.planning import split_for_mode
 
 
 def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None, tick=None) -> None:
-    """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause.
+    """Wait for all workers (or for `until()`); on the first failure stop the rest and raise with its cause (of
+    failures seen together, one killed by a signal: the others' errors follow from it).
 
     `tick()` runs on every look at the workers (the metrics read their progress there).
 
@@ -51,7 +52,9 @@ def _watch(workers: list[WorkerProcess], keep_log_in: Path, until=None, tick=Non
     try:
         while True:
             codes = [0 if w.retired else w.proc.poll() for w in workers]
-            failed = next((w for w, rc in zip(workers, codes) if rc not in (None, 0)), None)
+            failures = [(rc, w) for w, rc in zip(workers, codes) if rc not in (None, 0)]
+            # one killed by a signal is the cause of the others' errors (a peer gone mid-collective), not their effect
+            failed = min(failures, key=lambda f: f[0] is not None and f[0] >= 0)[1] if failures else None
             if failed is not None:
                 stop_all(workers)
                 cause = failed.cause()

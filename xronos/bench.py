@@ -310,7 +310,8 @@ def print_bench(result: BenchResult) -> None:
         chosen = [r.layout_choice.chosen.describe() for r in result.round_reports.get("xronos", []) if r.layout_choice]
         if len(set(chosen)) > 1:  # the rounds chose differently
             print("xronos layouts by round: " + "; ".join(chosen))
-    heads = [r.head_start for r in result.round_reports.get("xronos", [])]
+    xronos_rounds = result.round_reports.get("xronos") or ([reports["xronos"]] if "xronos" in reports else [])
+    heads = [r.head_start for r in xronos_rounds]
     if any(heads):
         print(
             "xronos head start by round: "
