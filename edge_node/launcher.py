@@ -32,10 +32,10 @@ from xronos.contract.errors import XronosError
 from xronos.contract.files import write_atomically
 from xronos.contract.job import JobOptions
 from xronos.contract.profiles import DeviceProfile
-from xronos.contract.report import ExcludedDevice, HeadStart, RankResult, RunReport, build_report
+from xronos.contract.report import HeadStart, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims
 from xronos.planner.head_start import head_start_profile, holds_whole_model, steady_compute, trained_ahead
-from xronos.planner.job_plan import JobPlan, plan_job, planned_report
+from xronos.planner.job_plan import JobPlan, excluded_devices, plan_job, planned_report
 from xronos.planner.pipeline_plan import stages_from_layers
 from xronos.planner.planning import split_for_mode
 
@@ -383,12 +383,7 @@ def run_local(
         if state is not None:  # as its device last wrote it
             report = report.model_copy(update={"head_start": _head_state(local.head_start_file)})
         if plan is not None and state is not None and state.finished:  # it trained the job: the others were left out
-            excluded = [
-                ExcludedDevice(device=d, speed=device_speeds[d], reason=why)
-                for d, why in enumerate(plan.reasons)
-                if why
-            ]
-            report = report.model_copy(update={"excluded": excluded})
+            report = report.model_copy(update={"excluded": excluded_devices(plan, device_speeds)})
         return report.model_copy(update={"job_seconds": time.perf_counter() - started})
     finally:
         local.close()

@@ -20,8 +20,9 @@ import statistics
 from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import WARMUP_STEPS
 from xronos.contract.splits import ModelDims
-from xronos.planner.cost_model import device_compute, dim_units, unit_bytes
+from xronos.planner.cost_model import device_compute, dim_units
 from xronos.planner.job_plan import JobPlan
+from xronos.planner.partitioner import share_bytes
 from xronos.planner.planning import split_for_mode
 from xronos.planner.replan import recalibrate
 
@@ -65,9 +66,7 @@ def head_start_profile(
 
 def holds_whole_model(memory_bytes: int, dims: ModelDims, micro_batch: int, seq_len: int, lora=None) -> bool:
     """Whether a device with `memory_bytes` can train the whole model alone, as the partitioner prices memory."""
-    fixed, kv, mlp, vocab = unit_bytes(dims, micro_batch, seq_len, lora)
-    kv_units, mlp_units, vocab_units = dim_units(dims)
-    return fixed + kv * kv_units + mlp * mlp_units + vocab * vocab_units <= memory_bytes
+    return share_bytes(dims, micro_batch, seq_len, *dim_units(dims), lora) <= memory_bytes
 
 
 def trained_ahead(dims: ModelDims, device: int, devices: int) -> JobPlan:

@@ -290,6 +290,15 @@ def planned_report(
     return with_predictions(report, job, dims, plan, profiles, speeds)
 
 
+def excluded_devices(plan: JobPlan, speeds: list[float | None]) -> list[ExcludedDevice]:
+    """The devices `plan` leaves out, with its reasons (`speeds` per device)."""
+    return [
+        ExcludedDevice(device=d, speed=speeds[d], reason=plan.reasons[d] or "left out")
+        for d, r in enumerate(plan.ranks)
+        if r is None
+    ]
+
+
 def with_predictions(
     report: RunReport,
     job: JobOptions,
@@ -299,13 +308,8 @@ def with_predictions(
     speeds: list[float | None],
 ) -> RunReport:
     """Add the plan's predictions (for the split the job ended with) and the left-out devices to a report."""
-    excluded = [
-        ExcludedDevice(device=d, speed=speeds[d], reason=plan.reasons[d] or "left out")
-        for d, r in enumerate(plan.ranks)
-        if r is None
-    ]
     update: dict = {
-        "excluded": excluded,
+        "excluded": excluded_devices(plan, speeds),
         "predicted_step_seconds": plan.predicted_step_seconds,
         "predicted_idle_ratio": plan.predicted_idle_ratio,
         "profiles": profiles,

@@ -236,10 +236,15 @@ def _closed_sets(profiles, dims) -> list[list[int]]:
     return [list(m) for m in found]
 
 
-def fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v, lora=None) -> bool:
+def share_bytes(dims, micro_batch, seq_len, kv_groups: float, mlp_blocks: int, vocab_blocks: int, lora=None) -> float:
+    """The memory a device holding this share needs (`unit_bytes`)."""
     fixed, kv_b, mlp_b, vocab_b = unit_bytes(dims, micro_batch, seq_len, lora)
+    return fixed + kv_groups * kv_b + mlp_blocks * mlp_b + vocab_blocks * vocab_b
+
+
+def fits_memory(profiles, dims, micro_batch, seq_len, members, g, m, v, lora=None) -> bool:
     return all(
-        fixed + g[k][0] * kv_b + m[k] * mlp_b + v[k] * vocab_b <= profiles[i].memory_bytes
+        share_bytes(dims, micro_batch, seq_len, g[k][0], m[k], v[k], lora) <= profiles[i].memory_bytes
         for k, i in enumerate(members)
     )
 
