@@ -5,8 +5,9 @@ cores (4 ms period, as `xronos run` sets them; packed onto this machine's cores 
 launcher packs workers), and times all-reduces of an activation of SmolLM2-135M's
 width (`--rows` x 576 floats; 4 x 128 rows = 1.125 MiB) both ways, alternately, through
 `edge_node.tp.comm` (`time_collectives`, what a job's `collective: auto` runs before its
-first step, here with more trials). Prints each algorithm's time as the ranks agree on it
-(the slowest rank's median). Then, through the hub, the all-reduces of a layout where only
+first step, here with more trials; the hub over its own sockets, as a job's, and then through gloo's
+messages for comparison). Prints each algorithm's time as the ranks agree on it (the slowest rank's
+median). Then, through the hub, the all-reduces of a layout where only
 some ranks hold a share (`TPContext.holders`): rank 0 alone (a broadcast, as kv 3/0/0's attention)
 and all but the last rank (as kv 2/1/0's). Not a test: numbers, to be quoted. Needs root
 and the cgroup v1 cpu controller.
@@ -28,18 +29,21 @@ from edge_node.worker_process import free_port
 CHILD = """
 import statistics, sys, time, torch, torch.distributed as dist
 from edge_node.cpu_quota import join_quota
-from edge_node.tp.comm import all_reduce, time_collectives
+from edge_node.tp.comm import SocketStar, all_reduce, time_collectives
 from edge_node.tp.context import TPContext
 rank, world, port, numel, hub, trials = (int(a) for a in sys.argv[1:7])
 torch.set_num_threads(1)
 join_quota(sys.argv[7])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-time_collectives(numel, hub, trials=3)  # warm-up
-ring, through_hub = time_collectives(numel, hub, trials=trials)
+star = SocketStar(hub, "127.0.0.1", 60.0)
+time_collectives(numel, hub, star, trials=3)  # warm-up
+ring, through_hub = time_collectives(numel, hub, star, trials=trials)
+_, through_gloo = time_collectives(numel, hub, trials=trials)
 if rank == 0:
-    print(f"  ring {ring * 1e3:6.2f} ms   hub (rank {hub}) {through_hub * 1e3:6.2f} ms   hub / ring {through_hub / ring:.2f}", flush=True)
+    print(f"  ring {ring * 1e3:6.2f} ms   hub (rank {hub}) {through_hub * 1e3:6.2f} ms   hub / ring {through_hub / ring:.2f}"
+          f"   hub through gloo's messages {through_gloo * 1e3:6.2f} ms", flush=True)
 layouts = {"rank 0 alone holds a share (broadcast)": (0,), "all but the last rank hold one": tuple(range(world - 1))}
-tp = TPContext(hub=hub, holders=layouts)
+tp = TPContext(hub=hub, holders=layouts, star=star)
 tensor, seconds = torch.zeros(numel), {name: [] for name in layouts}
 for _ in range(trials):
     for name in layouts:
@@ -51,6 +55,7 @@ dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
 if rank == 0:
     for name, s in zip(layouts, agreed.tolist()):
         print(f"  hub, {name}: {s * 1e3:6.2f} ms   / hub with all {s / through_hub:.2f}", flush=True)
+star.close()
 dist.destroy_process_group()
 """
 

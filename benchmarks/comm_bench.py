@@ -5,8 +5,10 @@ period, as `xronos run` sets them), builds one shard of a small Llama (`edge_nod
 hidden 512, 4 layers, 8 heads, 4 KV heads, intermediate 1536, vocabulary 8192) per variant in
 every process, each with its own `TPContext`, and trains them all on the same rows, one step of
 each variant in turn, so that every variant sees the same load (a background job on the machine
-slows all alike). A variant sets `TPContext` attributes (`--variants`, JSON; the default compares
-the hub with gloo's ring, a whole step each, not one all-reduce as `collective_bench.py` does).
+slows all alike). A variant sets `TPContext` attributes (`--variants`, JSON; `"star": true` opens the
+hub's own sockets, `SocketStar`); the default compares the hub through gloo's messages, the hub over
+its own sockets (what a job's hub uses) and gloo's ring, a whole step each, not one all-reduce as
+`collective_bench.py` does).
 
 Prints, per variant, the median step (the slowest rank's wall time, after the warm-up), its ratio
 to the first variant's, the all-reduces per step, each rank's seconds in them, and the largest
@@ -24,6 +26,11 @@ all-reduce (gloo's async all-reduce; Megatron's overlap) 1.01x and 1.04x; bfloat
 in float32 0.99x and 1.06x, losses off by up to 1.1e-5 relative over 12-14 steps. The
 collectives cost ~25 ms each on the 0.25 device whatever their size, and the same throttled
 core computes and moves the bytes: fewer bytes or hidden products do not shorten its wait.
+
+Kept: the hub over its own sockets instead of gloo's messages (2026-12-07, a quiet machine, 14 steps,
+the default split by speed): the step 0.884x and 0.893x gloo's hub at speeds 1, 0.5, 0.25 (two runs;
+the hub's seconds in all-reduces per step 0.299 -> 0.232 and 0.309 -> 0.241), 0.896x at 0.65, 0.52,
+0.43, 0.947x at three 0.58 devices; the losses the same to the bit. gloo's ring: 1.07-1.16x.
 """
 
 from __future__ import annotations
@@ -40,13 +47,14 @@ from pathlib import Path
 from edge_node.cpu_quota import CgroupQuota, cgroup_quota_available, pack_cores
 from edge_node.worker_process import free_port
 
-DEFAULT_VARIANTS = {"hub": {"hub": 0}, "ring": {"hub": None}}
+DEFAULT_VARIANTS = {"gloo-hub": {"hub": 0}, "socket-hub": {"hub": 0, "star": True}, "ring": {"hub": None}}
 
 CHILD = """
 import json, statistics, sys, time, torch, torch.distributed as dist
 from edge_node.cpu_quota import join_quota
 from edge_node.model_io import load_shard
 from edge_node.optimizer import adamw
+from edge_node.tp.comm import SocketStar
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.shared_groups import sum_shared_grads
@@ -65,7 +73,10 @@ runs = {}
 for name, attrs in json.loads(variants_json).items():
     tp = TPContext()
     for key, value in attrs.items():
-        setattr(tp, key, value)
+        if key == "star":  # the hub's own sockets (built collectively), centred on the variant's hub
+            tp.star = SocketStar(attrs["hub"], "127.0.0.1", 120.0) if value else None
+        else:
+            setattr(tp, key, value)
     model = load_shard(model_dir, split, rank, tp)
     runs[name] = (tp, model, adamw(model.parameters(), 1e-4), {"wall": [], "comm": [], "calls": [], "loss": []})
 rows = torch.randint(0, dims.vocab_size, (steps, batch, seq), generator=torch.Generator().manual_seed(0))

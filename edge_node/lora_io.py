@@ -158,6 +158,7 @@ def save_adapter(
     optimizer: torch.optim.Optimizer | None = None,
     trainer_state: dict | None = None,
     replicate: bool = False,
+    durable: bool = True,
 ) -> None:
     """Collective: write the adapter of all ranks to `final` as peft writes it (`shapes`: `lora_shapes`):
     on rank 0, or with `replicate` on every rank, the same bytes (`edge_node.checkpoint.write_checkpoint`);
@@ -175,6 +176,7 @@ def save_adapter(
         trainer_state=trainer_state,
         replicate=replicate,
         rename=peft_key,
+        durable=durable,
     )
 
 

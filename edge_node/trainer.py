@@ -45,7 +45,7 @@ from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes
 from edge_node.optimizer import ADAM_MOMENTS, adam_state, adam_step, adamw
 from edge_node.reshard import reshard_tensors
 from edge_node.timeline import Timeline
-from edge_node.tp.comm import AWAIT_LISTENER_SECONDS, await_listener, broadcast_bytes, time_collectives
+from edge_node.tp.comm import AWAIT_LISTENER_SECONDS, SocketStar, await_listener, broadcast_bytes, time_collectives
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.frozen import DTYPES, held_dtype, hold_matrices
@@ -222,14 +222,25 @@ class Trainer:
         costs = [collective_seconds(p, self.dims) for p in profiles] if profiles else [0.0]
         hub = costs.index(min(costs))
         algorithm, ring_s, hub_s = self.job.collective, None, None
+        star = self.hub_sockets(hub) if algorithm != "ring" else None
         if algorithm == "auto":
             micro_batch = self.job.batch_size // self.job.grad_accum
-            ring_s, hub_s = time_collectives(micro_batch * self.job.seq_len * self.dims.hidden_size, hub)
+            ring_s, hub_s = time_collectives(micro_batch * self.job.seq_len * self.dims.hidden_size, hub, star)
             algorithm = "hub" if hub_s < ring_s else "ring"
-        self.tp.hub = hub if algorithm == "hub" else None
+        if algorithm != "hub" and star is not None:
+            star.close()
+        self.tp.hub, self.tp.star = (hub, star) if algorithm == "hub" else (None, None)
         return CollectiveChoice(
             algorithm=algorithm, hub_rank=hub if algorithm == "hub" else None, ring_seconds=ring_s, hub_seconds=hub_s
         )
+
+    def hub_sockets(self, hub: int) -> SocketStar:
+        """The hub's own connections to the other ranks (`edge_node.tp.comm.SocketStar`), on the hub's
+        address: its profile's (a node agent's), else the rendezvous's (every rank on one host, or the
+        hub is rank 0). Collective."""
+        profiles = self.assignment.profiles
+        host = (profiles[hub].address if profiles else None) or self.assignment.master_addr or "127.0.0.1"
+        return SocketStar(hub, host, self.job.collective_timeout)
 
     # -- what this rank holds (overridden by the pipeline trainer) ---------------
     @property
@@ -592,7 +603,9 @@ class Trainer:
         self.model.train()
 
     # -- checkpoints --------------------------------------------------------
-    def _save(self, final: Path, with_optimizer: bool, state: dict | None, replicate: bool = False) -> None:
+    def _save(
+        self, final: Path, with_optimizer: bool, state: dict | None, replicate: bool = False, durable: bool = True
+    ) -> None:
         if self.lora is not None:  # the adapter alone, as peft writes it (with its moments: a checkpoint)
             save_adapter(
                 final,
@@ -606,6 +619,7 @@ class Trainer:
                 optimizer=self.optimizer if with_optimizer else None,
                 trainer_state=state,
                 replicate=replicate,
+                durable=durable,
             )
             return
         checkpoint.save(
@@ -619,12 +633,14 @@ class Trainer:
             optimizer=self.optimizer if with_optimizer else None,
             trainer_state=state,
             replicate=replicate,
+            durable=durable,
         )
 
     def save_checkpoint(self, step: int, directory: Path | None = None) -> None:
         """A resumable checkpoint: model, AdamW moments, step and losses so far (on every rank, with
         `replicate_checkpoints`: each then prunes its own); in `directory` instead of the output's
-        checkpoints, and not pruned with them (a head start's handoff)."""
+        checkpoints, not pruned with them and not fsynced (a head start's handoff, read back at once on this host:
+        `checkpoint.write_checkpoint`)."""
         state = {
             "step": step,
             "model": self.job.model,
@@ -634,7 +650,7 @@ class Trainer:
             "lora": self.lora.model_dump(mode="json") if self.lora is not None else None,
         }
         if directory is not None:
-            self._save(directory, True, state)
+            self._save(directory, True, state, durable=False)
             return
         self._save(checkpoint.checkpoint_dir(self.output, step), True, state, self.spec.replicate_checkpoints)
         if self.rank == 0 or self.spec.replicate_checkpoints:
@@ -694,5 +710,7 @@ class Trainer:
         )
 
     def close(self) -> None:
+        if self.tp.star is not None:
+            self.tp.star.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -11,7 +11,8 @@ with.
 
 The whole TP group's all-reduces run either as gloo's ring or through a hub
 (`TPContext.hub`): every other rank sends its tensor to the hub, which combines
-them and sends the result back. The ring moves less data per rank (2(n-1)/n
+them and sends the result back, over the hub's own sockets (`SocketStar`), not
+gloo's messages. The ring moves less data per rank (2(n-1)/n
 of the tensor; the hub's link carries 2(n-1) tensors), but it takes 2(n-1)
 dependent steps, and on CPUs under quotas every step waits for the most
 recently throttled peer to be scheduled again; the hub takes two. Which one is
@@ -31,6 +32,7 @@ for one SmolLM2 activation among devices of speeds 1, 0.5 and 0.25
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -83,12 +85,12 @@ def all_reduce(
     if closes is not None and tp.clock.last_end is not None:
         tp.clock.segments[closes] = tp.clock.segments.get(closes, 0.0) + start - tp.clock.last_end
     senders = _senders(op, group, closes, tp)
-    if senders is not None and len(senders) == 1:
+    if senders is not None and len(senders) == 1 and (tp.star is None or senders[0] != tp.star.hub):
         dist.broadcast(tensor, src=senders[0])
     elif senders is not None:
-        _star_all_reduce(tensor, op, tp.hub if tp.hub in senders else senders[0], senders)
+        _star_all_reduce(tensor, op, tp.hub if tp.hub in senders else senders[0], senders, tp.star)
     elif tp.hub is not None and group is None:
-        _hub_all_reduce(tensor, op, tp.hub)
+        _star_all_reduce(tensor, op, tp.hub, tuple(range(dist.get_world_size())), tp.star)
     else:
         dist.all_reduce(tensor, op=op, group=group)
     tp.clock.last_end = time.perf_counter()
@@ -112,8 +114,9 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     return buffer.numpy().tobytes()
 
 
-def time_collectives(numel: int, hub: int, trials: int = 8) -> tuple[float, float]:
-    """Seconds of one all-reduce of `numel` floats by the ring and through `hub`, as every rank agrees.
+def time_collectives(numel: int, hub: int, star: SocketStar | None = None, trials: int = 8) -> tuple[float, float]:
+    """Seconds of one all-reduce of `numel` floats by the ring and through `hub` (over `star`'s sockets
+    when given), as every rank agrees.
 
     The two are timed alternately (so both see the same load), each rank takes its median, and
     the ranks take the maximum (what the slowest participant makes everyone wait): every rank
@@ -126,7 +129,7 @@ def time_collectives(numel: int, hub: int, trials: int = 8) -> tuple[float, floa
         for name in seconds:
             start = time.perf_counter()
             if name == "hub":
-                _hub_all_reduce(tensor, dist.ReduceOp.SUM, hub)
+                _star_all_reduce(tensor, dist.ReduceOp.SUM, hub, tuple(range(dist.get_world_size())), star)
             else:
                 dist.all_reduce(tensor)
             seconds[name].append(time.perf_counter() - start)
@@ -135,22 +138,22 @@ def time_collectives(numel: int, hub: int, trials: int = 8) -> tuple[float, floa
     return agreed[0].item(), agreed[1].item()
 
 
-def _hub_all_reduce(tensor: torch.Tensor, op, hub: int) -> None:
-    """All-reduce through `hub`: the others send, the hub combines in rank order and sends the result back.
-
-    Every rank ends with the hub's bytes, so all hold the same result (as with the ring);
-    the sum's order differs from the ring's only by float32 round-off.
-    """
-    _star_all_reduce(tensor, op, hub, tuple(range(dist.get_world_size())))
-
-
-def _star_all_reduce(tensor: torch.Tensor, op, hub: int, senders: tuple[int, ...]) -> None:
-    """The hub all-reduce of the parts of `senders` (the hub among them, ascending): the other ranks
-    only receive, their parts being the operation's identity."""
+def _star_all_reduce(
+    tensor: torch.Tensor, op, hub: int, senders: tuple[int, ...], star: SocketStar | None = None
+) -> None:
+    """All-reduce through `hub` of the parts of `senders` (ascending; all ranks, or those holding some of
+    a dimension: the others' parts are the operation's identity and they only receive): the senders
+    send, the hub combines in rank order and sends the result back. Every rank ends with the hub's
+    bytes, so all hold the same result (as with the ring); the sum's order differs from the ring's only
+    by float32 round-off. Over `star`'s sockets when it is centred on `hub`, else through gloo's
+    point-to-point messages."""
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
         raise ValueError(f"the hub all-reduce sums or takes the maximum, not {op}")
     if not tensor.is_contiguous():
         raise ValueError("the hub all-reduce needs a contiguous tensor")
+    if star is not None and star.hub == hub:
+        _socket_star_all_reduce(tensor, op, star, senders)
+        return
     rank, n = dist.get_rank(), dist.get_world_size()
     if rank != hub:
         if rank in senders:
@@ -159,13 +162,112 @@ def _star_all_reduce(tensor: torch.Tensor, op, hub: int, senders: tuple[int, ...
         return
     parts = {r: torch.empty_like(tensor) for r in senders if r != hub}
     _wait_all([dist.irecv(parts[r], src=r) for r in parts])
+    _combine(tensor, op, hub, senders, parts)
+    _wait_all([dist.isend(tensor, dst=r) for r in range(n) if r != hub])
+
+
+class SocketStar:
+    """The hub all-reduce's own connections: one plain TCP socket between the hub and each other rank.
+
+    gloo hands every message through threads on each side (its work thread, its socket loop), and
+    on a CPU under a quota each hand-over waits to be scheduled; a rank that writes and reads its own
+    socket does not. A whole training step through the hub (`benchmarks/comm_bench.py`, the toy
+    model's 20 all-reduces per step, the same losses to the bit) took 0.88-0.90x gloo's at speeds
+    1, 0.5, 0.25 and 0.65, 0.52, 0.43, and 0.95x at three 0.58 devices. Built collectively after the
+    process group (`Trainer.choose_collective`, which times it against gloo's ring): the hub listens
+    on its own address on a port of its choosing, names the port and a random token over the group,
+    and keeps one connection per other rank that presents the token (`accept_peers`). The same trust
+    as gloo's own connections (docs/security.md).
+    """
+
+    def __init__(self, hub: int, host: str, timeout: float):
+        self.hub, self.rank = hub, dist.get_rank()
+        self.peers: dict[int, socket.socket] = {}
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = socket.create_server((host, 0), family=family) if self.rank == hub else None
+        named = server.getsockname()[1].to_bytes(4, "little") + os.urandom(16) if server is not None else None
+        answer = broadcast_bytes(named, src=hub)
+        port, token = int.from_bytes(answer[:4], "little"), answer[4:]
+        if server is not None:
+            with server:
+                self.peers = accept_peers(server, token, hub, dist.get_world_size(), timeout)
+        else:
+            conn = socket.create_connection((host, port), timeout=timeout)
+            conn.sendall(self.rank.to_bytes(4, "little") + token)
+            self.peers = {hub: conn}
+        for conn in self.peers.values():
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(timeout)  # a peer frozen mid-collective fails this one as gloo's timeout would
+
+    def close(self) -> None:
+        for conn in self.peers.values():
+            conn.close()
+        self.peers = {}
+
+
+HELLO_SECONDS = 5.0
+"""How long the hub waits for a connection's rank and token: a rank sends them as it connects, and a
+connection that sends nothing must not hold the others' back for a whole collective timeout."""
+
+
+def accept_peers(server: socket.socket, token: bytes, hub: int, world: int, timeout: float) -> dict[int, socket.socket]:
+    """The hub's connection from every other rank of `world`, by rank: each connects and sends its rank
+    (4 bytes) and `token`; a connection that sends anything else, or a rank already connected, is
+    closed and ignored. Raises TimeoutError when no connection comes for `timeout` seconds."""
+    server.settimeout(timeout)
+    peers: dict[int, socket.socket] = {}
+    while len(peers) < world - 1:
+        conn, _ = server.accept()
+        conn.settimeout(min(timeout, HELLO_SECONDS))
+        try:
+            hello = _recv_exactly(conn, 4 + len(token))
+        except (ConnectionError, TimeoutError):
+            hello = b""
+        peer = int.from_bytes(hello[:4], "little")
+        if hello[4:] != token or peer in peers or peer == hub or not 0 <= peer < world:
+            conn.close()  # not one of this group's ranks
+            continue
+        peers[peer] = conn
+    return peers
+
+
+def _recv_exactly(conn: socket.socket, size: int, into: memoryview | None = None) -> bytes:
+    """Read exactly `size` bytes (into `into` when given); a peer that closed its end is an error."""
+    view = into if into is not None else memoryview(bytearray(size))
+    got = 0
+    while got < size:
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"a peer closed its connection after {got} of {size} bytes")
+        got += n
+    return bytes(view) if into is None else b""
+
+
+def _socket_star_all_reduce(tensor: torch.Tensor, op, star: SocketStar, senders: tuple[int, ...]) -> None:
+    """`_star_all_reduce` over `star`'s sockets: the same parts combined in the same order, so the same bits."""
+    data = tensor.detach().numpy().data.cast("B")
+    if star.rank != star.hub:
+        conn = star.peers[star.hub]
+        if star.rank in senders:
+            conn.sendall(data)
+        _recv_exactly(conn, len(data), data)
+        return
+    parts = {r: torch.empty_like(tensor) for r in senders if r != star.hub}
+    for r, part in parts.items():
+        _recv_exactly(star.peers[r], len(data), part.numpy().data.cast("B"))
+    _combine(tensor, op, star.hub, senders, parts)
+    for conn in star.peers.values():
+        conn.sendall(data)
+
+
+def _combine(tensor: torch.Tensor, op, hub: int, senders: tuple[int, ...], parts: dict[int, torch.Tensor]) -> None:
+    """The hub's sum (or maximum) of the senders' parts in rank order, into `tensor` (the hub's own part)."""
     combine = torch.Tensor.add_ if op == dist.ReduceOp.SUM else lambda t, other: torch.maximum(t, other, out=t)
     result = tensor if senders[0] == hub else parts[senders[0]]
     for r in senders[1:]:
         combine(result, tensor if r == hub else parts[r])
     if result is not tensor:
         tensor.copy_(result)
-    _wait_all([dist.isend(tensor, dst=r) for r in range(n) if r != hub])
 
 
 def _wait_all(requests: list) -> None:

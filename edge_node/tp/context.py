@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edge_node.tp.comm import CommClock
+from edge_node.tp.comm import CommClock, SocketStar
 from edge_node.tp.weight_grads import WeightGradQueue
 
 
@@ -26,6 +26,9 @@ class TPContext:
     hub: int | None = None
     """The rank that sums the whole group's all-reduces (None: gloo's ring); chosen by the trainer
     (`Trainer.choose_collective`), the same on every rank."""
+    star: SocketStar | None = None
+    """The hub's own sockets to the other ranks, opened with the hub (`Trainer.choose_collective`); None:
+    the hub's messages go through gloo (a test, a bench's comparison)."""
     holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """By split dimension: the ranks owning some of it (`ShardSplit.holders`); in the all-reduces that
     close its segments the other ranks' parts are zeros and are not sent. Set by `parallelize`."""
