@@ -45,7 +45,15 @@ from edge_node.model_io import SafetensorsReader, empty_shard, full_param_shapes
 from edge_node.optimizer import ADAM_MOMENTS, adam_state, adam_step, adamw
 from edge_node.reshard import reshard_tensors
 from edge_node.timeline import Timeline
-from edge_node.tp.comm import AWAIT_LISTENER_SECONDS, SocketStar, await_listener, broadcast_bytes, time_collectives
+from edge_node.tp.comm import (
+    AWAIT_LISTENER_SECONDS,
+    SocketStar,
+    await_listener,
+    broadcast_bytes,
+    open_star,
+    own_address,
+    time_collectives,
+)
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.frozen import DTYPES, held_dtype, hold_matrices
@@ -213,7 +221,8 @@ class Trainer:
         """The all-reduce of this job's TP group (`edge_node.tp.comm`); every rank must call this.
 
         The hub is the rank whose profile exchanges bytes cheapest (it moves n-1 times what
-        the others do); without profiles (mode tp does not profile), rank 0. `auto` times
+        the others do); without profiles (mode tp does not profile), rank 0. Its messages go over
+        its own sockets (`open_star`; through gloo where they cannot be opened). `auto` times
         both algorithms at the size of an activation and keeps the faster.
         """
         from xronos.planner.cost_model import collective_seconds
@@ -229,18 +238,25 @@ class Trainer:
             algorithm = "hub" if hub_s < ring_s else "ring"
         if algorithm != "hub" and star is not None:
             star.close()
-        self.tp.hub, self.tp.star = (hub, star) if algorithm == "hub" else (None, None)
+            star = None
+        self.tp.hub, self.tp.star = (hub if algorithm == "hub" else None), star
         return CollectiveChoice(
-            algorithm=algorithm, hub_rank=hub if algorithm == "hub" else None, ring_seconds=ring_s, hub_seconds=hub_s
+            algorithm=algorithm,
+            hub_rank=hub if algorithm == "hub" else None,
+            hub_sockets=star is not None if algorithm == "hub" else None,
+            ring_seconds=ring_s,
+            hub_seconds=hub_s,
         )
 
-    def hub_sockets(self, hub: int) -> SocketStar:
-        """The hub's own connections to the other ranks (`edge_node.tp.comm.SocketStar`), on the hub's
-        address: its profile's (a node agent's), else the rendezvous's (every rank on one host, or the
-        hub is rank 0). Collective."""
+    def hub_sockets(self, hub: int) -> SocketStar | None:
+        """The hub's own connections to the other ranks (`edge_node.tp.comm.open_star`), named by the
+        address the others reach the hub at: its profile's (a node agent's: the one it uses towards the
+        broker, or its `--address`), else this host's towards the rendezvous (`own_address`: every rank
+        of `xronos run` is on one host). Collective; None where they could not be opened."""
         profiles = self.assignment.profiles
-        host = (profiles[hub].address if profiles else None) or self.assignment.master_addr or "127.0.0.1"
-        return SocketStar(hub, host, self.job.collective_timeout)
+        master = self.assignment.master_addr or "127.0.0.1"
+        host = profiles[hub].address if profiles and profiles[hub].address else None
+        return open_star(hub, host or own_address(master), self.job.collective_timeout)
 
     # -- what this rank holds (overridden by the pipeline trainer) ---------------
     @property
@@ -712,5 +728,6 @@ class Trainer:
     def close(self) -> None:
         if self.tp.star is not None:
             self.tp.star.close()
+            self.tp.star = None
         if dist.is_initialized():
             dist.destroy_process_group()

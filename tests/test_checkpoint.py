@@ -107,6 +107,36 @@ def test_a_checkpoint_that_does_not_match_its_manifest_is_passed_over_with_the_r
     assert checkpoint.clean_leftovers(tmp_path) == [root / ".tmp-step-00000008-123"]
 
 
+def test_checkpoints_are_fsynced_and_only_a_handoff_is_not(tmp_path, monkeypatch):
+    """`write_checkpoint` fsyncs every file and directory it writes; with `durable=False` (a head start's
+    handoff, read back at once on the same host) none, and the checkpoint holds the same bytes, sealed."""
+    params = {"w": torch.nn.Parameter(torch.randn(3, 4)), "b": torch.nn.Parameter(torch.randn(4))}
+    shapes = {name: p.shape for name, p in params.items()}
+    written = {}
+    for durable in (True, False):
+        synced: list[int] = []
+        monkeypatch.setattr(checkpoint.os, "fsync", lambda fd, synced=synced: synced.append(fd))
+        final = tmp_path / f"durable-{durable}"
+        checkpoint.write_checkpoint(
+            final,
+            params,
+            shapes,
+            lambda name, rank: None,
+            0,
+            1,
+            "model",
+            lambda tmp: None,
+            trainer_state={"step": 1},
+            durable=durable,
+        )
+        monkeypatch.undo()
+        checkpoint.verify(final)  # the manifest matches either way
+        written[durable] = (final / "model.safetensors").read_bytes(), len(synced)
+    assert written[True][1] >= 3  # the file, the manifest, the directory (and its parent)
+    assert written[False][1] == 0
+    assert written[True][0] == written[False][0]
+
+
 def test_resume_errors_are_one_line(tmp_path):
     job = JobOptions(model="m", data="d", output=str(tmp_path), steps=8, resume=True)
     with pytest.raises(XronosError, match="no usable checkpoint under"):

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from edge_node.tp.comm import SocketStar, accept_peers, all_reduce, await_listener, broadcast_bytes, time_collectives
+from controller.jobs import is_peer_error
+from edge_node.tp.comm import accept_peers, all_reduce, await_listener, broadcast_bytes, open_star, time_collectives
 from edge_node.tp.context import TPContext
 from edge_node.worker_process import free_port
 
@@ -32,7 +33,7 @@ def _ranks(rank: int, world: int, port: int, results) -> None:
     try:
         out, tp = {}, TPContext()
         for hub in range(world):
-            star = SocketStar(hub, "127.0.0.1", 30.0)
+            star = open_star(hub, "127.0.0.1", 30.0)
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
                 for shape in SHAPES:
                     gen = torch.Generator().manual_seed(1000 * rank + len(shape))
@@ -47,6 +48,13 @@ def _ranks(rank: int, world: int, port: int, results) -> None:
                     out[(hub, str(op), shape)] = (ring, through_hub, through_sockets)
             if hub == world - 1:
                 out["socket timings"] = time_collectives(4096, hub, star, trials=3)
+                for conn in star.peers.values():
+                    conn.close()  # timed over the sockets, not gloo's messages: closed, they fail
+                try:
+                    time_collectives(4096, hub, star, trials=1)
+                    out["closed"] = None
+                except OSError as err:
+                    out["closed"] = type(err).__name__
             star.close()
         tp.hub, tp.star = None, None
         calls = tp.clock.calls
@@ -76,6 +84,7 @@ def test_hub_all_reduce_equals_ring_on_every_rank(world):
         if "MAX" in op:
             assert torch.equal(results[0][key][0], results[0][key][1])  # a maximum has no round-off
     # `auto`'s timings: positive, the same pair on every rank (so all choose alike), not counted as comm
+    assert all(results[rank]["closed"] is not None for rank in range(world))  # no rank timed gloo's messages
     for name in ("timings", "socket timings"):
         timings = {results[rank][name] for rank in range(world)}
         assert len(timings) == 1 and all(t > 0 for t in timings.pop()), name
@@ -90,7 +99,7 @@ def _holders_ranks(rank: int, world: int, port: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         out, tp = {}, TPContext()
-        stars = {hub: SocketStar(hub, "127.0.0.1", 30.0) for hub in (0, 2)}
+        stars = {hub: open_star(hub, "127.0.0.1", 30.0) for hub in (0, 2)}
         for hub, sockets in ((None, False), (0, False), (2, False), (0, True), (2, True)):
             tp.star = stars[hub] if sockets and hub is not None else None
             for holders in HOLDER_SETS:
@@ -177,7 +186,7 @@ def test_the_hub_keeps_only_its_groups_connections():
 
         before, comm.HELLO_SECONDS = comm.HELLO_SECONDS, 0.5
         try:
-            peers = accept_peers(server, token, hub=0, world=3, timeout=10)
+            peers = accept_peers(server, token, hub=0, world=3, deadline=time.monotonic() + 10)
         finally:
             comm.HELLO_SECONDS = before
         assert sorted(peers) == [1, 2]
@@ -193,7 +202,7 @@ def test_the_hub_keeps_only_its_groups_connections():
 
 def _leaving_rank(rank: int, port: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    tp = TPContext(hub=0, star=SocketStar(0, "127.0.0.1", 60.0))
+    tp = TPContext(hub=0, star=open_star(0, "127.0.0.1", 60.0))
     dist.barrier()
     if rank == 1:
         os._exit(0)  # gone before the next collective, its sockets closed by the kernel
@@ -218,5 +227,32 @@ def test_a_rank_gone_fails_the_hubs_all_reduce_at_once():
         process.start()
     for process in ranks:
         process.join(60)
-    assert results["error"] and "closed its connection" in results["error"]
+        if process.is_alive():
+            process.kill()
+    assert results["error"] and results["error"].startswith("Connection closed by peer: rank 1")
+    assert is_peer_error(results["error"])  # what the controller takes for a failure echoed from a peer
     assert results["seconds"] < 10
+
+
+def _unreachable_hub(rank: int, world: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        started = time.monotonic()
+        # the hub names an address no rank reaches (TEST-NET-1): the others cannot connect
+        star = open_star(0, "192.0.2.1", 2.0)
+        tp = TPContext(hub=0, star=star)
+        x = torch.full((5,), float(rank + 1))
+        results[rank] = (star is None, time.monotonic() - started, all_reduce(x, tp).tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_where_the_sockets_cannot_be_opened_every_rank_goes_through_gloo():
+    """A rank that cannot reach the hub: `open_star` gives None on every rank (they agree), within its
+    setup time (half of the 2 s timeout here), and the hub all-reduce goes on through gloo's messages."""
+    world, results = 3, mp.Manager().dict()
+    mp.spawn(_unreachable_hub, args=(world, free_port(), results), nprocs=world)
+    for rank in range(world):
+        no_star, seconds, summed = results[rank]
+        assert no_star and seconds < 10
+        assert summed == [6.0] * 5

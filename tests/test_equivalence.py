@@ -159,6 +159,8 @@ def test_tp_equals_single(name, nodes, mode, split, options, model_dir, data_fil
     if nodes > 1:  # the all-reduce asked for (without profiles the hub is rank 0)
         assert report.collective.algorithm == options["collective"]
         assert report.collective.hub_rank == (0 if options["collective"] == "hub" else None)
+        # through the hub, over its own sockets (`open_star`), not gloo's messages
+        assert report.collective.hub_sockets is (True if options["collective"] == "hub" else None)
     else:
         assert report.collective is None
     if split:
@@ -260,6 +262,7 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     assert chosen.ring_seconds > 0 and chosen.hub_seconds > 0
     assert chosen.algorithm == ("hub" if chosen.hub_seconds < chosen.ring_seconds else "ring")
     assert chosen.hub_rank is None or 0 <= chosen.hub_rank < ranks
+    assert chosen.hub_sockets is (None if chosen.algorithm == "ring" else True)
     assert report.predicted_idle_ratio is not None and 0 <= report.predicted_idle_ratio < 1  # the plan's
     # the report keeps the profiles it planned with: `xronos plan` on it gives the partitioner's (uneven) plan the
     # job priced, and the same idle when the job ran it (the even split wins when uneven is not 3% shorter)

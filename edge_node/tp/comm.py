@@ -11,8 +11,8 @@ with.
 
 The whole TP group's all-reduces run either as gloo's ring or through a hub
 (`TPContext.hub`): every other rank sends its tensor to the hub, which combines
-them and sends the result back, over the hub's own sockets (`SocketStar`), not
-gloo's messages. The ring moves less data per rank (2(n-1)/n
+them and sends the result back, over the hub's own sockets (`open_star`; gloo's
+messages where they could not be opened, and for a dimension the hub holds none of). The ring moves less data per rank (2(n-1)/n
 of the tensor; the hub's link carries 2(n-1) tensors), but it takes 2(n-1)
 dependent steps, and on CPUs under quotas every step waits for the most
 recently throttled peer to be scheduled again; the hub takes two. Which one is
@@ -32,6 +32,8 @@ for one SmolLM2 activation among devices of speeds 1, 0.5 and 0.25
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 import socket
 import statistics
@@ -44,6 +46,8 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from edge_node.tp.context import TPContext
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -173,31 +177,12 @@ class SocketStar:
     on a CPU under a quota each hand-over waits to be scheduled; a rank that writes and reads its own
     socket does not. A whole training step through the hub (`benchmarks/comm_bench.py`, the toy
     model's 20 all-reduces per step, the same losses to the bit) took 0.88-0.90x gloo's at speeds
-    1, 0.5, 0.25 and 0.65, 0.52, 0.43, and 0.95x at three 0.58 devices. Built collectively after the
-    process group (`Trainer.choose_collective`, which times it against gloo's ring): the hub listens
-    on its own address on a port of its choosing, names the port and a random token over the group,
-    and keeps one connection per other rank that presents the token (`accept_peers`). The same trust
-    as gloo's own connections (docs/security.md).
+    1, 0.5, 0.25 and 0.65, 0.52, 0.43, and 0.95x at three 0.58 devices. Opened collectively after the
+    process group (`open_star`). The same trust as gloo's own connections (docs/security.md).
     """
 
-    def __init__(self, hub: int, host: str, timeout: float):
-        self.hub, self.rank = hub, dist.get_rank()
-        self.peers: dict[int, socket.socket] = {}
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server = socket.create_server((host, 0), family=family) if self.rank == hub else None
-        named = server.getsockname()[1].to_bytes(4, "little") + os.urandom(16) if server is not None else None
-        answer = broadcast_bytes(named, src=hub)
-        port, token = int.from_bytes(answer[:4], "little"), answer[4:]
-        if server is not None:
-            with server:
-                self.peers = accept_peers(server, token, hub, dist.get_world_size(), timeout)
-        else:
-            conn = socket.create_connection((host, port), timeout=timeout)
-            conn.sendall(self.rank.to_bytes(4, "little") + token)
-            self.peers = {hub: conn}
-        for conn in self.peers.values():
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(timeout)  # a peer frozen mid-collective fails this one as gloo's timeout would
+    def __init__(self, hub: int, peers: dict[int, socket.socket]):
+        self.hub, self.rank, self.peers = hub, dist.get_rank(), peers
 
     def close(self) -> None:
         for conn in self.peers.values():
@@ -205,59 +190,140 @@ class SocketStar:
         self.peers = {}
 
 
+STAR_SETUP_SECONDS = 30.0
+"""How long opening the star may take at most (the rest of the collective timeout is the job's): every rank
+has passed the rendezvous by then and connects at once; a rank that cannot must not hold the others for a
+whole collective timeout before they go on through gloo."""
+
 HELLO_SECONDS = 5.0
 """How long the hub waits for a connection's rank and token: a rank sends them as it connects, and a
-connection that sends nothing must not hold the others' back for a whole collective timeout."""
+connection that sends nothing must not hold the others back."""
 
 
-def accept_peers(server: socket.socket, token: bytes, hub: int, world: int, timeout: float) -> dict[int, socket.socket]:
-    """The hub's connection from every other rank of `world`, by rank: each connects and sends its rank
-    (4 bytes) and `token`; a connection that sends anything else, or a rank already connected, is
-    closed and ignored. Raises TimeoutError when no connection comes for `timeout` seconds."""
-    server.settimeout(timeout)
-    peers: dict[int, socket.socket] = {}
-    while len(peers) < world - 1:
-        conn, _ = server.accept()
-        conn.settimeout(min(timeout, HELLO_SECONDS))
+def open_star(hub: int, host: str, timeout: float) -> SocketStar | None:
+    """Collective: the hub's connections to every other rank, or None on every rank when any rank could not
+    open its part (logged; the hub's messages then go through gloo).
+
+    The hub listens on `host` (its address as the others reach it; on every interface where this host does
+    not hold it) on a port of its choosing and names the address, the port and a random token over the group (`broadcast_bytes`); each other rank connects and
+    sends its rank and the token, and the hub keeps only such connections (`accept_peers`). Every rank then
+    agrees on whether all of it worked (a gloo all-reduce), so all use the star or none does."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    deadline = time.monotonic() + min(timeout / 2, STAR_SETUP_SECONDS)  # within the agreement's own timeout
+    server, peers, failure, named = None, {}, None, None
+    if rank == hub:
         try:
-            hello = _recv_exactly(conn, 4 + len(token))
-        except (ConnectionError, TimeoutError):
-            hello = b""
-        peer = int.from_bytes(hello[:4], "little")
-        if hello[4:] != token or peer in peers or peer == hub or not 0 <= peer < world:
-            conn.close()  # not one of this group's ranks
-            continue
-        peers[peer] = conn
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            try:
+                server = socket.create_server((host, 0), family=family)
+            except OSError:  # an address this host does not hold (a NAT's, given as --address): every interface
+                server = socket.create_server(("", 0), family=family)
+            named = server.getsockname()[1].to_bytes(4, "little") + os.urandom(16) + host.encode()
+        except OSError as err:
+            failure, named = f"the hub could not listen: {err}", b""
+    answer = broadcast_bytes(named, src=hub)
+    try:
+        if not answer:
+            failure = failure or "the hub could not listen"
+        elif server is not None:
+            peers = accept_peers(server, answer[4:20], hub, world, deadline)
+        else:
+            port, token, address = int.from_bytes(answer[:4], "little"), answer[4:20], answer[20:].decode()
+            conn = socket.create_connection((address, port), timeout=max(0.1, deadline - time.monotonic()))
+            peers = {hub: conn}
+            conn.sendall(rank.to_bytes(4, "little") + token)
+    except OSError as err:
+        failure = f"{type(err).__name__}: {err}"
+    finally:
+        if server is not None:
+            server.close()
+    failed = torch.tensor([1 if failure else 0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        for conn in peers.values():
+            conn.close()
+        log.warning("the hub's sockets could not be opened (%s): its all-reduces go through gloo", failure or "a peer")
+        return None
+    for conn in peers.values():
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(timeout)  # a peer frozen mid-collective fails this one as gloo's timeout would
+    return SocketStar(hub, peers)
+
+
+def accept_peers(
+    server: socket.socket, token: bytes, hub: int, world: int, deadline: float
+) -> dict[int, socket.socket]:
+    """The hub's connection from every other rank of `world`, by rank: each connects and sends its rank
+    (4 bytes) and `token`; a connection that sends anything else (or nothing within HELLO_SECONDS), or a
+    rank already connected, is closed and ignored. Raises TimeoutError at `deadline` (time.monotonic())."""
+    peers: dict[int, socket.socket] = {}
+    try:
+        while len(peers) < world - 1:
+            server.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                raise TimeoutError(f"{world - 1 - len(peers)} rank(s) did not connect to the hub") from None
+            except OSError:
+                continue  # a connection aborted before it was accepted
+            conn.settimeout(max(0.01, min(HELLO_SECONDS, deadline - time.monotonic())))
+            try:
+                hello = _recv_exactly(conn, 4 + len(token), "a connecting rank")
+            except OSError:
+                hello = b""
+            peer = int.from_bytes(hello[:4], "little")
+            valid = len(hello) == 4 + len(token) and hmac.compare_digest(hello[4:], token)
+            if not valid or peer in peers or peer == hub or not 0 <= peer < world:
+                conn.close()  # not one of this group's ranks
+                continue
+            peers[peer] = conn
+    except BaseException:
+        for conn in peers.values():
+            conn.close()
+        raise
     return peers
 
 
-def _recv_exactly(conn: socket.socket, size: int, into: memoryview | None = None) -> bytes:
-    """Read exactly `size` bytes (into `into` when given); a peer that closed its end is an error."""
+def _recv_exactly(conn: socket.socket, size: int, peer: str, into: memoryview | None = None) -> bytes:
+    """Read exactly `size` bytes from `peer` (into `into` when given). A peer that closed its end or sent
+    nothing within the socket's timeout fails it, in the words the controller recognises as a peer's
+    failure echoed (`controller.jobs.PEER_ERRORS`)."""
     view = into if into is not None else memoryview(bytearray(size))
     got = 0
     while got < size:
-        n = conn.recv_into(view[got:])
+        try:
+            n = conn.recv_into(view[got:])
+        except TimeoutError:
+            raise TimeoutError(f"Socket Timeout: {peer} sent nothing for {conn.gettimeout():g} s") from None
         if n == 0:
-            raise ConnectionError(f"a peer closed its connection after {got} of {size} bytes")
+            raise ConnectionError(f"Connection closed by peer: {peer}, after {got} of {size} bytes")
         got += n
     return bytes(view) if into is None else b""
 
 
+def _send(conn: socket.socket, data: memoryview, peer: str) -> None:
+    try:
+        conn.sendall(data)
+    except TimeoutError:
+        raise TimeoutError(f"Socket Timeout: {peer} took nothing for {conn.gettimeout():g} s") from None
+
+
 def _socket_star_all_reduce(tensor: torch.Tensor, op, star: SocketStar, senders: tuple[int, ...]) -> None:
-    """`_star_all_reduce` over `star`'s sockets: the same parts combined in the same order, so the same bits."""
+    """`_star_all_reduce` over `star`'s sockets: the same parts combined in the same order, so the same bits;
+    the result sent back in rank order."""
     data = tensor.detach().numpy().data.cast("B")
     if star.rank != star.hub:
-        conn = star.peers[star.hub]
+        conn, hub = star.peers[star.hub], f"rank {star.hub} (the hub)"
         if star.rank in senders:
-            conn.sendall(data)
-        _recv_exactly(conn, len(data), data)
+            _send(conn, data, hub)
+        _recv_exactly(conn, len(data), hub, data)
         return
     parts = {r: torch.empty_like(tensor) for r in senders if r != star.hub}
     for r, part in parts.items():
-        _recv_exactly(star.peers[r], len(data), part.numpy().data.cast("B"))
+        _recv_exactly(star.peers[r], len(data), f"rank {r}", part.numpy().data.cast("B"))
     _combine(tensor, op, star.hub, senders, parts)
-    for conn in star.peers.values():
-        conn.sendall(data)
+    for r in sorted(star.peers):
+        _send(star.peers[r], data, f"rank {r}")
 
 
 def _combine(tensor: torch.Tensor, op, hub: int, senders: tuple[int, ...], parts: dict[int, torch.Tensor]) -> None:
@@ -275,6 +341,18 @@ def _wait_all(requests: list) -> None:
     for request in requests:
         assert request is not None, "this rank is not in the process group"
         request.wait()
+
+
+def own_address(towards: str) -> str:
+    """This host's address on the route towards `towards` (no packet is sent: a UDP socket's local end once
+    it is connected); `towards` itself where there is no route."""
+    family = socket.AF_INET6 if ":" in towards else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((towards, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return towards
 
 
 AWAIT_LISTENER_SECONDS = 10.0

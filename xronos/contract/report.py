@@ -72,6 +72,9 @@ class CollectiveChoice(BaseModel):
 
     algorithm: Literal["ring", "hub"]
     hub_rank: int | None = None
+    hub_sockets: bool | None = None
+    """Through the hub: whether its messages went over its own sockets (False: they could not be opened,
+    and went through gloo's)."""
     ring_seconds: float | None = None
     """Collective `auto`: one all-reduce of an activation by gloo's ring (the slowest rank's median)."""
     hub_seconds: float | None = None
@@ -87,7 +90,9 @@ class CollectiveChoice(BaseModel):
             if self.ring_seconds is not None and self.hub_seconds is not None
             else ""
         )
-        return f"all-reduce {'by the ring' if self.hub_rank is None else f'through rank {self.hub_rank}'}{measured}"
+        through = "by the ring" if self.hub_rank is None else f"through rank {self.hub_rank}"
+        gloo = " (over gloo's messages: its sockets could not be opened)" if self.hub_sockets is False else ""
+        return f"all-reduce {through}{gloo}{measured}"
 
 
 TIMELINE_EVENTS = (
