@@ -205,9 +205,10 @@ def open_star(hub: int, host: str, timeout: float) -> SocketStar | None:
     open its part (logged; the hub's messages then go through gloo).
 
     The hub listens on `host` (its address as the others reach it; on every interface where this host does
-    not hold it) on a port of its choosing and names the address, the port and a random token over the group (`broadcast_bytes`); each other rank connects and
-    sends its rank and the token, and the hub keeps only such connections (`accept_peers`). Every rank then
-    agrees on whether all of it worked (a gloo all-reduce), so all use the star or none does."""
+    not hold it) on a port of its choosing and names the address, the port and a random token over the
+    group (`broadcast_bytes`); each other rank connects and sends its rank and the token, and the hub keeps
+    only such connections (`accept_peers`). Every rank then agrees on whether all of it worked (a gloo
+    all-reduce), so all use the star or none does."""
     rank, world = dist.get_rank(), dist.get_world_size()
     deadline = time.monotonic() + min(timeout / 2, STAR_SETUP_SECONDS)  # within the agreement's own timeout
     server, peers, failure, named = None, {}, None, None
