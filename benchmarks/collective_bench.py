@@ -29,13 +29,14 @@ from edge_node.worker_process import free_port
 CHILD = """
 import statistics, sys, time, torch, torch.distributed as dist
 from edge_node.cpu_quota import join_quota
-from edge_node.tp.comm import SocketStar, all_reduce, time_collectives
+from edge_node.tp.comm import all_reduce, open_star, time_collectives
 from edge_node.tp.context import TPContext
 rank, world, port, numel, hub, trials = (int(a) for a in sys.argv[1:7])
 torch.set_num_threads(1)
 join_quota(sys.argv[7])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-star = SocketStar(hub, "127.0.0.1", 60.0)
+star = open_star(hub, "127.0.0.1", 60.0)
+assert star is not None, "the hub's sockets could not be opened"
 time_collectives(numel, hub, star, trials=3)  # warm-up
 ring, through_hub = time_collectives(numel, hub, star, trials=trials)
 _, through_gloo = time_collectives(numel, hub, trials=trials)

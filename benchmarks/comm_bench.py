@@ -6,7 +6,7 @@ hidden 512, 4 layers, 8 heads, 4 KV heads, intermediate 1536, vocabulary 8192) p
 every process, each with its own `TPContext`, and trains them all on the same rows, one step of
 each variant in turn, so that every variant sees the same load (a background job on the machine
 slows all alike). A variant sets `TPContext` attributes (`--variants`, JSON; `"star": true` opens the
-hub's own sockets, `SocketStar`); the default compares the hub through gloo's messages, the hub over
+hub's own sockets, `open_star`); the default compares the hub through gloo's messages, the hub over
 its own sockets (what a job's hub uses) and gloo's ring, a whole step each, not one all-reduce as
 `collective_bench.py` does).
 
@@ -54,7 +54,7 @@ import json, statistics, sys, time, torch, torch.distributed as dist
 from edge_node.cpu_quota import join_quota
 from edge_node.model_io import load_shard
 from edge_node.optimizer import adamw
-from edge_node.tp.comm import SocketStar
+from edge_node.tp.comm import open_star
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.shared_groups import sum_shared_grads
@@ -74,7 +74,8 @@ for name, attrs in json.loads(variants_json).items():
     tp = TPContext()
     for key, value in attrs.items():
         if key == "star":  # the hub's own sockets (built collectively), centred on the variant's hub
-            tp.star = SocketStar(attrs["hub"], "127.0.0.1", 120.0) if value else None
+            tp.star = open_star(attrs["hub"], "127.0.0.1", 120.0) if value else None
+            assert tp.star is not None or not value, "the hub's sockets could not be opened"
         else:
             setattr(tp, key, value)
     model = load_shard(model_dir, split, rank, tp)
