@@ -500,6 +500,7 @@ class Trainer:
         so all agree without a word). Otherwise rank 0 re-plans with profiles scaled to match; a
         changed split is applied in memory, the slices that change hands sent rank to rank (`reshard`).
         """
+        from xronos.planner.cost_model import split_step_seconds
         from xronos.planner.replan import MeasuredCompute, Replan, replan
 
         as_json = TypeAdapter(Replan)  # what rank 0 decided travels as JSON, never pickled
@@ -546,6 +547,7 @@ class Trainer:
             predicted_compute_seconds=[s * accum for s in predicted],
             new_split=new_split if changed else None,
             predicted_gain=gain,
+            predicted_step_seconds=split_step_seconds(calibrated, self.dims, new_split) * accum,
         )
         if changed or self.replan_checks <= MAX_REPLAN_CHECKS:
             self.replans.append(self.last_check)

@@ -228,6 +228,35 @@ def test_bench_idle_summary_gives_each_round_and_their_mean():
     assert idle_summary(0.05, 0.1, None, {"xronos": [0.05], "tp": [0.1]}) == "idle: xronos 5.0%, tp 10.0% (2.0x less)"
 
 
+def test_bench_calibrated_ratio_takes_the_checks_that_priced_the_final_split():
+    """Predicted / measured with the job's own paces: the median over the checks from the last re-shard on, not
+    the plan's profiles nor the checks that priced a split the job left."""
+    from xronos.bench import calibrated_ratio
+    from xronos.contract.report import ReplanCheck, RunReport
+    from xronos.contract.splits import ShardSplit
+
+    moved = ShardSplit(kv_groups=[2, 1], mlp_columns=[1024, 512], vocab_rows=[5632, 2560])
+
+    def check(step: int, predicted: float | None, new_split: ShardSplit | None = None) -> ReplanCheck:
+        return ReplanCheck(
+            after_step=step,
+            measured_compute_seconds=[1.0, 1.0],
+            predicted_compute_seconds=[1.0, 1.0],
+            new_split=new_split,
+            predicted_step_seconds=predicted,
+        )
+
+    checks = [check(4, 9.0), check(6, 4.4, moved), check(8, 4.6), check(10, 5.2), check(12, None)]
+    assert calibrated_ratio(RunReport.model_construct(replans=checks, mean_step_seconds=4.6)) == (
+        ", 1.00 after the re-plan checks"  # median of 4.4, 4.6, 5.2; the check before the re-shard priced another split
+    )
+    kept = [check(4, 4.0), check(6, 5.0), check(8, 6.0)]
+    assert calibrated_ratio(RunReport.model_construct(replans=kept, mean_step_seconds=4.0)) == (
+        ", 1.25 after the re-plan checks"
+    )
+    assert calibrated_ratio(RunReport.model_construct(replans=[], mean_step_seconds=4.0)) == ""  # no check: no ratio
+
+
 def test_bench_json_keeps_every_round(model_dir, data_file, tmp_path, capsys):
     """Each round's whole report, the median round's among them, so an odd round can be traced."""
     from xronos.bench import BenchResult, median_round

@@ -257,6 +257,9 @@ def test_profiled_xronos_with_replan_equals_single(model_dir, data_file, single_
     assert segment_wait_seconds([(1.0, 2.0, 3.0), (2.0, 1.0, 3.0), (2.0, 2.0, 3.0)]) == [1.0, 1.0, 0.0]
     assert all(0 <= n.segment_wait_seconds <= n.comm_seconds for n in report.nodes)
     assert check.new_split is None or check.new_split == report.split  # the only check: the last split
+    # and its step for that split, priced with the paces it measured (the cost model's own error, without the profiles')
+    assert check.predicted_step_seconds is not None
+    assert 0.5 < check.predicted_step_seconds / report.mean_step_seconds < 2, (check, report.mean_step_seconds)
     # collective `auto` timed both all-reduces on the job's ranks and kept the faster; the hub is a participant
     chosen = report.collective
     assert chosen.ring_seconds > 0 and chosen.hub_seconds > 0

@@ -203,6 +203,19 @@ def compute_stall(node, measured_steps: int) -> float:
     return node.compute_seconds / measured_steps / node.predicted_compute_seconds - 1
 
 
+def calibrated_ratio(report: RunReport) -> str:
+    """', C after the re-plan checks': over the measured step, the median prediction of the checks that priced
+    the split the job ended on (from the last re-shard on), each with the devices' paces as the job had measured
+    them by then (a machine's pace drifts over a job, so one check's window is not the measured steps'); ''
+    without any."""
+    moved = [k for k, c in enumerate(report.replans) if c.new_split is not None]
+    final = report.replans[moved[-1] if moved else 0 :]
+    checked = [c.predicted_step_seconds for c in final if c.predicted_step_seconds]
+    if not checked:
+        return ""
+    return f", {statistics.median(checked) / report.mean_step_seconds:.2f} after the re-plan checks"
+
+
 def _ratio_text(rounds: dict[str, list[float]], mode: str, base: str) -> str:
     """The median round-by-round ratio, with its range when there were several rounds."""
     ratios = round_ratios(rounds, mode, base)
@@ -253,7 +266,7 @@ def print_bench(result: BenchResult) -> None:
             + "; ".join(f"{m} {_ratio_text(rounds, m, 'single')}" for m in reports if m != "single")
         )
     predicted = [
-        f"{m} {r.predicted_step_seconds / r.mean_step_seconds:.2f}"
+        f"{m} {r.predicted_step_seconds / r.mean_step_seconds:.2f}" + calibrated_ratio(r)
         for m, r in reports.items()
         if r.predicted_step_seconds
     ]

@@ -79,8 +79,10 @@ def replan_lines(report: RunReport) -> list[str]:
         return f" ({'/'.join('+'.join(f'{x:.2f}' for x in rank) for rank in segments)})" if segments else ""
 
     def outcome(c) -> str:
-        notes = ([f"best {c.predicted_gain:.1%} shorter"] if c.predicted_gain is not None else []) + (
-            [f"{c.reshard_seconds:.1f} s"] if c.reshard_seconds is not None else []
+        notes = (
+            ([f"best {c.predicted_gain:.1%} shorter"] if c.predicted_gain is not None else [])
+            + ([f"{c.reshard_seconds:.1f} s"] if c.reshard_seconds is not None else [])
+            + ([f"step predicted {c.predicted_step_seconds:.2f} s"] if c.predicted_step_seconds else [])
         )
         return f" ({', '.join(notes)})" if notes else ""
 

@@ -44,6 +44,10 @@ class ReplanCheck(BaseModel):
     """How much shorter the best split's step is than the current one's, by the recalibrated profiles."""
     reshard_seconds: float | None = None
     """What the re-shard took (checkpoint, reload, optimizer state), when it re-sharded."""
+    predicted_step_seconds: float | None = None
+    """The step the recalibrated profiles predict for the split the job runs on after this check: the cost
+    model's prediction with the devices' paces as the job measured them, where the plan's prediction has their
+    paces as profiled (under an emulated CPU quota the two differ by up to ~1.3x: docs/benchmarks.md)."""
 
     def drift(self) -> list[float]:
         """Per rank: measured / predicted compute (1.0 where either is missing)."""
