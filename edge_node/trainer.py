@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import resource
 import sys
 import time
@@ -86,6 +87,8 @@ DRIFT_WINDOW = 4
 """Timed steps a drift check measures (at least `replan_after`): a few, so that a device slowed
 mid-job shows within them, not diluted by a long split's history; all of them must be off the
 prediction, so that a slow step or two do not."""
+TRACE_ENV = "XRONOS_COLLECTIVE_TRACE"
+"""A directory: each rank writes there every collective of its training, call by call (`Trainer.write_trace`)."""
 RESHARD_MIN_STEPS_LEFT = WARMUP_STEPS + 1
 """A check re-plans only with this many steps left: the new split's warm-up and a step to time it
 (the report times the last split alone). Whether the steps left pay the re-shard back is the
@@ -146,6 +149,11 @@ class Trainer:
         self.spec, self.job = spec, spec.job
         self.assignment, self.rank = spec.assignment, spec.assignment.rank
         self.tp = TPContext()
+        self.trace_dir = os.environ.get(TRACE_ENV)
+        self.trace_steps: list[int] = []
+        """With tracing on: where each step's collectives begin in `tp.clock.trace`."""
+        if self.trace_dir:
+            self.tp.clock.trace = []
         assert self.assignment.world_size is not None  # RankAssignment: a rank comes with its world
         self.world = self.assignment.world_size
         # the plain model: mode single, or mode xronos when it chose the fastest device alone
@@ -352,6 +360,8 @@ class Trainer:
                 total=self.job.steps, initial=self.start_step, desc=f"{self.job.mode}", file=sys.stderr, unit="step"
             )
         for step in steps:
+            if self.tp.clock.trace is not None:
+                self.trace_steps.append(len(self.tp.clock.trace))
             comm0, segments0, t0 = self.tp.clock.seconds, dict(self.tp.clock.segments), time.perf_counter()
             loss = self.train_step(step)
             self.step_seconds.append(time.perf_counter() - t0)
@@ -380,10 +390,26 @@ class Trainer:
                 self.save_checkpoint(step + 1)
         if bar is not None:
             bar.close()
+        self.write_trace()
         self.trained_bytes = self.param_bytes()  # what training held (a merge may upcast a bfloat16 base)
         self.save_final()
         self.timeline.mark("saved")
         return True
+
+    def write_trace(self) -> None:
+        """With `XRONOS_COLLECTIVE_TRACE` set (a directory): this rank's collectives, call by call, and where each
+        step's began among them (`benchmarks/collective_trace.py` lays the ranks side by side)."""
+        if self.tp.clock.trace is None or self.trace_dir is None:
+            return
+        record = {
+            "rank": self.rank,
+            "speed": self.spec.speed_hint,
+            "steps": self.trace_steps,
+            "calls": self.tp.clock.trace,
+        }
+        directory = Path(self.trace_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank-{self.rank}.json").write_text(json.dumps(record))
 
     @property
     def steps_done(self) -> int:

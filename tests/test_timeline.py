@@ -3,6 +3,11 @@ save ended, the report carries it, and it survives a result split into MQTT part
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from edge_node.launcher import run_local
@@ -73,3 +78,29 @@ def test_a_long_jobs_timeline_survives_a_result_split_into_mqtt_parts():
     assert len(parts) > 1 and [len(p.result.timeline) for p in parts if p.result] == [2] + [0] * (len(parts) - 1)
     joined = wire.join_result_parts(list(reversed(parts)))
     assert joined.timeline == timeline and joined.started_at == 1.8e9 and len(joined.losses) == steps
+
+
+def test_a_traced_job_writes_every_ranks_collectives_in_the_same_order(model_dir, data_file, tmp_path, monkeypatch):
+    """`XRONOS_COLLECTIVE_TRACE`: each rank writes every all-reduce of its training (segment, start, end) and
+    where each step began among them; the ranks list the same collectives, each rank's calls in time order, and
+    `benchmarks/collective_trace.py` lays them side by side."""
+    traces = tmp_path / "trace"
+    monkeypatch.setenv("XRONOS_COLLECTIVE_TRACE", str(traces))
+    run_local(_job(model_dir("gqa_tied"), data_file, tmp_path / "out", "xronos"), 2, split_override=SPLIT,
+              show_progress=False)  # fmt: skip
+    ranks = [json.loads((traces / f"rank-{r}.json").read_text()) for r in range(2)]
+    layers = 2  # the gqa_tied test model's
+    per_step = 4 * layers + 2 + 2  # the layers', the embedding's, the final norm's gradient's, the loss's two
+    for rank, record in enumerate(ranks):
+        assert record["rank"] == rank and len(record["steps"]) == 4
+        assert [b - a for a, b in zip(record["steps"], record["steps"][1:])] == [per_step] * 3
+        assert [c[0] for c in record["calls"]] == [c[0] for c in ranks[0]["calls"]]
+        times = [t for _, start, end, _ in record["calls"] for t in (start, end)]
+        assert times == sorted(times)
+    closes = [c[0] for c in ranks[0]["calls"][ranks[0]["steps"][1] : ranks[0]["steps"][2]]]
+    assert closes.count("kv_groups") == closes.count("mlp_columns") == 2 * layers
+    out = subprocess.run(
+        [sys.executable, "benchmarks/collective_trace.py", "--trace", str(traces), "--last", "2"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent,
+    ).stdout  # fmt: skip
+    assert "attention forward" in out and "MLP backward" in out and "rank 1" in out

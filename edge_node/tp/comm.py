@@ -61,6 +61,10 @@ class CommClock:
     segments: dict[str, float] = field(default_factory=dict)
     """Compute seconds before the collectives that close each kind of segment (by split dimension: every
     layer's attention and MLP, the vocabulary's final norm, LM head and loss; not the embedding or AdamW)."""
+    trace: list[tuple[str | None, float, float, bool]] | None = None
+    """When tracing (`XRONOS_COLLECTIVE_TRACE`, `benchmarks/collective_trace.py`): every collective's
+    segment (`closes`), start and end (perf_counter: the host's monotonic clock, so the ranks of one host
+    can be laid side by side, call by call), and whether this rank sent a part (see `_senders`)."""
 
 
 def _senders(op, group, closes: str | None, tp: TPContext) -> tuple[int, ...] | None:
@@ -100,6 +104,8 @@ def all_reduce(
     tp.clock.last_end = time.perf_counter()
     tp.clock.seconds += tp.clock.last_end - start
     tp.clock.calls += 1
+    if tp.clock.trace is not None:
+        tp.clock.trace.append((closes, start, tp.clock.last_end, senders is None or dist.get_rank() in senders))
     return tensor
 
 
