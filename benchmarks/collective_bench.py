@@ -31,6 +31,7 @@ import statistics, sys, time, torch, torch.distributed as dist
 from edge_node.cpu_quota import join_quota
 from edge_node.tp.comm import all_reduce, open_star, time_collectives
 from edge_node.tp.context import TPContext
+from edge_node.worker import exit_now
 rank, world, port, numel, hub, trials = (int(a) for a in sys.argv[1:7])
 torch.set_num_threads(1)
 join_quota(sys.argv[7])
@@ -57,7 +58,9 @@ if rank == 0:
     for name, s in zip(layouts, agreed.tolist()):
         print(f"  hub, {name}: {s * 1e3:6.2f} ms   / hub with all {s / through_hub:.2f}", flush=True)
 star.close()
+dist.barrier()  # every rank done with the store before rank 0's goes
 dist.destroy_process_group()
+exit_now(0)  # as a job's workers exit: an interpreter's teardown once ended a rank in std::terminate
 """
 
 

@@ -58,6 +58,7 @@ from edge_node.tp.comm import open_star
 from edge_node.tp.context import TPContext
 from edge_node.tp.cross_entropy import causal_lm_loss
 from edge_node.tp.shared_groups import sum_shared_grads
+from edge_node.worker import exit_now
 from edge_node.model_io import full_param_shapes, load_config
 from xronos.contract.splits import ModelDims, ShardSplit
 rank, world, port, steps, warmup, batch, seq = (int(a) for a in sys.argv[1:8])
@@ -101,7 +102,12 @@ gathered = [None] * world
 dist.all_gather_object(gathered, mine)  # the benchmark's own ranks, on one machine
 if rank == 0:
     print(json.dumps(gathered), flush=True)
+for tp, *_ in runs.values():
+    if tp.star is not None:
+        tp.star.close()
+dist.barrier()  # every rank done with the store before rank 0's goes
 dist.destroy_process_group()
+exit_now(0)  # as a job's workers exit: an interpreter's teardown once ended a rank in std::terminate
 """
 
 
