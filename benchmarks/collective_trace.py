@@ -9,7 +9,9 @@ that holds none of the segment only receives, and nobody waits for it), and what
 bytes moved, the sum, and a throttled rank's wait for its next quota period). Prints, per
 rank and step, the seconds in each; and by segment and direction (the attention's, the MLP's and the
 vocabulary's collectives, forward then backward, in the order a step runs them; the others by position),
-each rank's mean wait per call, the time after the last arrival, and how often each rank came last.
+each rank's compute before the collective (since its previous one ended), its wait per call, the time after
+the last arrival, and how often each rank came last: a segment balanced as a whole but not by direction
+shows as one rank's longer compute forward and another's backward.
 
 It answers what a cheaper collective could buy: only the time after the last arrival is the collective's
 own; the wait is a balance (or a throttled rank's lag), which moving bytes faster does not shorten. Not a test:
@@ -80,13 +82,17 @@ def analyse(ranks: list[dict], last: int) -> None:
             starts = [r["calls"][i][1] for r in ranks]
             ends = [r["calls"][i][2] for r in ranks]
             last_in = max(start for r, start in zip(ranks, starts) if r["calls"][i][3])
-            entry = by_label.setdefault(label, {"calls": 0, "wait": [0.0] * world, "after": 0.0, "last": [0] * world})
+            entry = by_label.setdefault(
+                label, {"calls": 0, "compute": [0.0] * world, "wait": [0.0] * world, "after": 0.0, "last": [0] * world}
+            )
             if label not in order:
                 order.append(label)
             entry["calls"] += 1
             entry["last"][starts.index(last_in)] += 1
             entry["after"] += max(e - last_in for e in ends)
             for r in range(world):
+                if i > a:  # the rank's compute since its previous collective ended (the step's first: AdamW too)
+                    entry["compute"][r] += starts[r] - ranks[r]["calls"][i - 1][2]
                 waited = max(0.0, last_in - starts[r])
                 wait[r][s] += waited
                 after[r][s] += ends[r] - max(starts[r], last_in)
@@ -95,14 +101,17 @@ def analyse(ranks: list[dict], last: int) -> None:
     for r, rank in enumerate(ranks):
         w, x = statistics.median(wait[r]), statistics.median(after[r])
         print(f"  rank {rank['rank']} [{rank['speed']}]: {w:.3f} + {x:.3f} = {w + x:.3f}")
-    print("\nby collective (ms per call, means): calls a step | each rank's wait for a later rank | after the last")
-    print("sender's arrival (the slowest rank's) | each rank the last sender in, % of calls")
+    print("\nby collective (ms per call, means): calls a step | each rank's compute before it | each rank's wait for")
+    print(
+        "a later rank | after the last sender's arrival (the slowest rank's) | each rank the last sender in, % of calls"
+    )
     for label in order:
         e = by_label[label]
         c = e["calls"]
+        compute = " ".join(f"{1e3 * t / c:6.1f}" for t in e["compute"]) if label != order[0] else " " * (7 * world - 1)
         waits = " ".join(f"{1e3 * w / c:6.2f}" for w in e["wait"])
         lasts = " ".join(f"{100 * k / c:3.0f}" for k in e["last"])
-        print(f"  {label:22s} {c / len(bounds):4.0f} | {waits} | {1e3 * e['after'] / c:6.2f} | {lasts}")
+        print(f"  {label:22s} {c / len(bounds):4.0f} | {compute} | {waits} | {1e3 * e['after'] / c:6.2f} | {lasts}")
 
 
 def main() -> None:
