@@ -47,8 +47,10 @@ def load(directory: Path) -> list[dict]:
 
 
 def label_step(closes: list[str | None]) -> list[str]:
-    """Each collective of one step named by its segment and direction: a segment's first half of collectives
-    is the forward pass's (one per layer), its second the backward's; the others by their position."""
+    """Each collective of one step named by its segment and direction: a layer segment's first half of
+    collectives is the forward pass's (one per layer), its second the backward's; the vocabulary's last is its
+    backward (the final norm's gradient), the ones before it the loss's forward (`causal_lm_loss`); the others
+    by their position in the step."""
     totals = {s: closes.count(s) for s in SEGMENTS}
     seen: dict[str | None, int] = defaultdict(int)
     labels = []
@@ -57,8 +59,10 @@ def label_step(closes: list[str | None]) -> list[str]:
         seen[segment] += 1
         if segment in ("kv_groups", "mlp_columns") and totals[segment] % 2 == 0:
             labels.append(f"{NAMES[segment]} {'forward' if k < totals[segment] // 2 else 'backward'}")
+        elif segment == "vocab_rows":
+            labels.append(f"vocabulary forward #{k}" if k < totals[segment] - 1 else "vocabulary backward")
         elif segment is not None:
-            labels.append(f"{NAMES.get(segment, segment)} #{k}")
+            labels.append(f"{segment} #{k}")
         else:
             labels.append(f"other @{position}")
     return labels
@@ -116,7 +120,9 @@ def analyse(ranks: list[dict], last: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, help="a directory of traces already written (no run)")
+    parser.add_argument(
+        "--trace", type=Path, help="the traces' directory: read it (alone), or where the run writes (with -- ARGS)"
+    )
     parser.add_argument("--last", type=int, default=8, help="the steps to analyse, from the end (default 8)")
     parser.add_argument("run", nargs=argparse.REMAINDER, help="-- then the arguments of `xronos run`")
     args = parser.parse_args()
