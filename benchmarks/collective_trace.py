@@ -95,7 +95,7 @@ def analyse(ranks: list[dict], last: int) -> None:
             entry["last"][starts.index(last_in)] += 1
             entry["after"] += max(e - last_in for e in ends)
             for r in range(world):
-                if i > a:  # the rank's compute since its previous collective ended (the step's first: AdamW too)
+                if i > 0:  # the rank's compute since its previous collective ended (the step's first: AdamW too)
                     entry["compute"][r] += starts[r] - ranks[r]["calls"][i - 1][2]
                 waited = max(0.0, last_in - starts[r])
                 wait[r][s] += waited
@@ -112,7 +112,7 @@ def analyse(ranks: list[dict], last: int) -> None:
     for label in order:
         e = by_label[label]
         c = e["calls"]
-        compute = " ".join(f"{1e3 * t / c:6.1f}" for t in e["compute"]) if label != order[0] else " " * (7 * world - 1)
+        compute = " ".join(f"{1e3 * t / c:6.1f}" for t in e["compute"])
         waits = " ".join(f"{1e3 * w / c:6.2f}" for w in e["wait"])
         lasts = " ".join(f"{100 * k / c:3.0f}" for k in e["last"])
         print(f"  {label:22s} {c / len(bounds):4.0f} | {compute} | {waits} | {1e3 * e['after'] / c:6.2f} | {lasts}")

@@ -149,10 +149,10 @@ class Trainer:
         self.spec, self.job = spec, spec.job
         self.assignment, self.rank = spec.assignment, spec.assignment.rank
         self.tp = TPContext()
-        self.trace_dir = os.environ.get(TRACE_ENV)
+        self.trace_dir = os.environ.get(TRACE_ENV) or None
         self.trace_steps: list[int] = []
         """With tracing on: where each step's collectives begin in `tp.clock.trace`."""
-        if self.trace_dir:
+        if self.trace_dir is not None:
             self.tp.clock.trace = []
         assert self.assignment.world_size is not None  # RankAssignment: a rank comes with its world
         self.world = self.assignment.world_size
@@ -399,7 +399,7 @@ class Trainer:
     def write_trace(self) -> None:
         """With `XRONOS_COLLECTIVE_TRACE` set (a directory): this rank's collectives, call by call, and where each
         step's began among them (`benchmarks/collective_trace.py` lays the ranks side by side)."""
-        if self.tp.clock.trace is None or self.trace_dir is None:
+        if self.trace_dir is None:
             return
         record = {
             "rank": self.rank,
