@@ -100,11 +100,12 @@ def mean_seconds(runs: Mapping[str, Callable[[], object]]) -> dict[str, float]:
 
 
 class _Parts:
-    """Seconds a component's steps spent in all, in their backward pass, and in weight-gradient
-    products computed later (summed over every call, warm-up included: only ratios are used)."""
+    """Seconds a component's steps spent in all, in their forward pass, in their backward pass, and in
+    weight-gradient products computed later (summed over every call, warm-up included: only ratios are
+    used)."""
 
     def __init__(self) -> None:
-        self.total = self.backward = self.later = 0.0
+        self.total = self.forward = self.backward = self.later = 0.0
 
     def fraction(self, part: float) -> float:
         return part / self.total if self.total > 0 else 0.0
@@ -131,6 +132,7 @@ def training_step(
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        parts.forward += t1 - t0
         parts.backward += t2 - t1
         parts.later += t3 - t2
         parts.total += time.perf_counter() - t0
@@ -201,7 +203,7 @@ MAX_LATER_FRACTION = 0.6
 an MLP share's seconds and ~20-30% of an attention share's, with the update); a larger measured
 part is a disturbed window."""
 
-PROFILER_VERSION = 8
+PROFILER_VERSION = 9
 """Part of the cache key: a profile measured by another version of this code is measured anew."""
 
 
@@ -390,7 +392,7 @@ def profile_device(
     kv_fixed, per_group = fit_fixed_and_per_unit(seconds["attention-unit"], seconds["attention-share"], groups)
     mlp_fixed, per_mlp = fit_fixed_and_per_unit(seconds["mlp-unit"], seconds["mlp-share"], mlp_blocks)
     vocab_fixed, per_vocab = fit_fixed_and_per_unit(seconds["vocab-unit"], seconds["vocab-share"], vocab_blocks)
-    attention = parts["attention-share"]
+    attention, mlp, vocab = parts["attention-share"], parts["mlp-share"], parts["vocab-share"]
     layer_fixed, step_fixed = seconds["norms"], seconds["norms"] / 2  # the final norm; the embedding lookup is cheap
     small, large = seconds["small"], seconds["large"]
     per_mib = max(0.0, (large - small) / ((payload - payload // 16) / 2**20))
@@ -408,19 +410,18 @@ def profile_device(
         kv_fixed_seconds=kv_fixed,
         mlp_fixed_seconds=mlp_fixed,
         vocab_fixed_seconds=vocab_fixed,
-        mlp_weight_grad_fraction=min(parts["mlp-share"].fraction(parts["mlp-share"].later), MAX_LATER_FRACTION),
+        mlp_weight_grad_fraction=min(mlp.fraction(mlp.later), MAX_LATER_FRACTION),
         # the span between a layer's backward all-reduces on a rank that computes its products in place
         attention_backward_fraction=attention.fraction(attention.backward + attention.later),
         attention_weight_grad_fraction=min(attention.fraction(attention.later), MAX_LATER_FRACTION),
         # the LM head's product has no fixed part: its seconds per block, against the per-block cost
         vocab_weight_grad_fraction=min(
-            parts["vocab-share"].fraction(parts["vocab-share"].later)
-            * seconds["vocab-share"]
-            / (vocab_blocks * per_vocab)
-            if per_vocab > 0
-            else 0.0,
+            vocab.fraction(vocab.later) * seconds["vocab-share"] / (vocab_blocks * per_vocab) if per_vocab > 0 else 0.0,
             MAX_LATER_FRACTION,
         ),
+        attention_forward_fraction=attention.fraction(attention.forward),
+        mlp_forward_fraction=mlp.fraction(mlp.forward),
+        vocab_forward_fraction=vocab.fraction(vocab.forward),
         allreduce_latency_seconds=latency,
         allreduce_seconds_per_mib=per_mib,
         memory_bytes=memory,

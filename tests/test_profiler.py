@@ -90,6 +90,10 @@ def test_profiles_are_cached_per_shape(mid_model, tmp_path, monkeypatch):
     assert 0 < first.mlp_weight_grad_fraction < 1 and 0 < first.attention_weight_grad_fraction < 1
     assert 0 < first.vocab_weight_grad_fraction < 1
     assert first.attention_weight_grad_fraction < first.attention_backward_fraction < 1
+    # and each segment's forward pass: what its first all-reduce waits for
+    forwards = (first.attention_forward_fraction, first.mlp_forward_fraction, first.vocab_forward_fraction)
+    assert all(0.1 < f < 0.9 for f in forwards), forwards
+    assert first.attention_forward_fraction + first.attention_backward_fraction <= 1
     again = profile_device(config, 2, 32, 1, device="d0")
     assert again.model_dump(exclude={"memory_bytes"}) == first.model_dump(exclude={"memory_bytes"})  # read back
     other = profile_device(config, 2, 16, 1, device="d0")  # another batch shape: measured anew

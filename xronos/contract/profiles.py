@@ -78,6 +78,22 @@ class DeviceProfile(BaseModel):
         description="Part of a vocabulary block's seconds (the per-block cost) spent on its LM "
         "head weight-gradient product, which a rank can compute later (0: unmeasured).",
     )
+    attention_forward_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Part of an attention share's seconds spent in its forward pass (0: unmeasured).",
+    )
+    mlp_forward_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Part of an MLP share's seconds spent in its forward pass (0: unmeasured)."
+    )
+    vocab_forward_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Part of a vocabulary share's seconds spent in its forward pass: embedding, LM head and "
+        "the loss (0: unmeasured).",
+    )
     allreduce_latency_seconds: NonNegativeFloat
     allreduce_seconds_per_mib: NonNegativeFloat = Field(description="This device's CPU cost of an all-reduce, per MiB.")
     memory_bytes: PositiveInt = Field(description="Memory the device can give to the job.")
@@ -139,6 +155,18 @@ def unit_costs(p: DeviceProfile) -> tuple[Segment, Segment, Segment]:
         Segment(p.layer_fixed_seconds / 2, p.mlp_fixed_seconds, p.mlp_block_seconds),
         Segment(p.step_fixed_seconds, p.vocab_fixed_seconds, p.vocab_block_seconds),
     )
+
+
+def forward_fractions(p: DeviceProfile) -> tuple[float, float, float]:
+    """(attention, MLP, vocabulary): the part of each segment's seconds before its forward all-reduce.
+
+    A segment's two all-reduces split it: every participant waits for the slowest forward, then for
+    the slowest backward, so a split is priced by both (`xronos.planner.cost_model.step_seconds`).
+    Unmeasured (a profile from before these fields), half of what the weight-gradient products
+    leave: a forward product costs what its input-gradient product does."""
+    measured = (p.attention_forward_fraction, p.mlp_forward_fraction, p.vocab_forward_fraction)
+    later = (p.attention_weight_grad_fraction, p.mlp_weight_grad_fraction, p.vocab_weight_grad_fraction)
+    return tuple(f if f > 0 else (1 - w) / 2 for f, w in zip(measured, later))  # type: ignore[return-value]
 
 
 def weight_grad_costs(p: DeviceProfile) -> tuple[Segment, Segment]:

@@ -16,6 +16,7 @@ from xronos.contract.profiles import (
     DeviceProfile,
     attention_backward_seconds,
     attention_weight_grad_seconds,
+    forward_fractions,
     unit_costs,
     vocab_weight_grad_seconds,
     weight_grad_seconds,
@@ -84,6 +85,12 @@ def segments(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: f
     )
 
 
+def forward_segments(p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float]) -> tuple[float, ...]:
+    """This device's (attention, MLP, vocabulary) seconds before each segment's forward all-reduce; the rest
+    of each `segments` is its backward (what its weight-gradient products' moves change)."""
+    return tuple(f * s for f, s in zip(forward_fractions(p), segments(p, dims, *share)))
+
+
 def later_products(
     p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float], mlp_later: bool, attention_later: bool
 ) -> tuple[float, float]:
@@ -120,8 +127,13 @@ def step_seconds(
     MLP's weight gradients in the attention backward's span (what does not fit lengthens it),
     those flagged in `attention_later` their attention's in the MLP segment (of the layer below), and
     `vocab_later` rows of each rank's vocabulary computing theirs in the attention backward's spans,
-    a layer's worth in each."""
+    a layer's worth in each.
+
+    Each segment costs its slowest forward plus its slowest backward: its two all-reduces make every
+    participant wait at each. (The slowest sum is the same when every device's forward takes the same
+    part of each segment and no product moves; moves shorten or lengthen a backward alone.)"""
     segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
+    fwds = [forward_segments(p, dims, share) for p, share in zip(profiles, shares)]
     moved, deferred = zip(
         *(
             later_products(p, dims, share, bool(later and later[i]), bool(attention_later and attention_later[i]))
@@ -133,9 +145,10 @@ def step_seconds(
     overflow = max(b + w + x / dims.num_layers for b, w, x in zip(backs, moved, spread)) - max(backs)
     coll = max(collective_seconds(p, dims) for p in profiles) if len(profiles) > 1 else 0.0
     coll += max(shared_grad_seconds(p, dims, shared_groups) for p in profiles)
-    attention = max(s[0] - d for s, d in zip(segs, deferred)) + overflow
-    mlp = max(s[1] - w + d for s, w, d in zip(segs, moved, deferred))
-    return dims.num_layers * (attention + mlp) + max(s[2] - x for s, x in zip(segs, spread)) + coll
+    attention = max(f[0] for f in fwds) + max(s[0] - f[0] - d for s, f, d in zip(segs, fwds, deferred)) + overflow
+    mlp = max(f[1] for f in fwds) + max(s[1] - f[1] - w + d for s, f, w, d in zip(segs, fwds, moved, deferred))
+    vocab = max(f[2] for f in fwds) + max(s[2] - f[2] - x for s, f, x in zip(segs, fwds, spread))
+    return dims.num_layers * (attention + mlp) + vocab + coll
 
 
 def split_step_seconds(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit) -> float:

@@ -8,6 +8,7 @@ solver (`partitioner`) runs them per participant set; docs/architecture.md says 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -19,6 +20,7 @@ from xronos.contract.profiles import (
     Segment,
     attention_backward_seconds,
     attention_weight_grad_seconds,
+    forward_fractions,
     unit_costs,
     vocab_weight_grad_seconds,
     weight_grad_costs,
@@ -50,6 +52,76 @@ def water_fill(costs: Sequence[UnitCost], units: int) -> tuple[float, list[int]]
         take[i] += 1
         heapq.heappush(heap, (costs[i].seconds(take[i] + 1), i))
     return max(c.seconds(u) for c, u in zip(costs, take)), take
+
+
+class DirectedCost(Protocol):
+    """A device's seconds for a number of units before a segment's forward all-reduce, and after it up to
+    its backward one (each never decreasing in the units): MlpCost or VocabCost."""
+
+    def forward(self, units: int) -> float: ...
+
+    def backward(self, units: int) -> float: ...
+
+    def seconds(self, units: float) -> float: ...
+
+
+class _Capped(NamedTuple):
+    """A cost that no device may take more than `cap` units of (infinite seconds above)."""
+
+    cost: UnitCost
+    cap: int
+
+    def seconds(self, units: float) -> float:
+        return self.cost.seconds(units) if units <= self.cap else float("inf")
+
+
+def direction_fill(costs: Sequence[DirectedCost], units: int) -> tuple[float, list[int]]:
+    """Exact integer min of (slowest forward + slowest backward): a segment's two all-reduces each wait
+    for their slowest participant.
+
+    Some optimal split's slowest forward is one of the devices' forward seconds at some unit count.
+    For each such level F, each device may take at most the units whose forward fits under it; the
+    least slowest backward under those caps is the least level B at which the devices' units with
+    both fitting add up to `units`. B never rises as F does, so one sweep of F upwards with B moving
+    down finds every pair's best in O(candidates) counts. Of the split found, units go by a capped
+    water-fill of the whole segment's seconds (so with equal forward parts it is `water_fill`'s).
+    A backward that falls somewhere as units rise (a fraction's noise) is taken at its running
+    maximum, which the split then never exceeds.
+    """
+    n = len(costs)
+    forward = [[c.forward(u) for u in range(units + 1)] for c in costs]
+    backward = []
+    for c in costs:
+        seconds, top = [], float("-inf")
+        for u in range(units + 1):
+            top = max(top, c.backward(u))
+            seconds.append(top)
+        backward.append(seconds)
+
+    def fitting(table: list[float], level: float) -> int:
+        return bisect.bisect_right(table, level * (1 + 1e-12)) - 1
+
+    def total(f_level: float, b_level: float) -> int:
+        """Units the devices can take with both fitting (-1: a device's floor does not fit)."""
+        counts = [min(fitting(forward[i], f_level), fitting(backward[i], b_level)) for i in range(n)]
+        return -1 if min(counts) < 0 else sum(counts)
+
+    f_levels = sorted({x for table in forward for x in table})
+    b_levels = sorted({x for table in backward for x in table})
+    best, j = None, len(b_levels) - 1
+    for f in f_levels:
+        if total(f, b_levels[j]) < units:
+            continue
+        while j > 0 and total(f, b_levels[j - 1]) >= units:
+            j -= 1
+        if best is None or f + b_levels[j] < best[0] - 1e-15:
+            best = (f + b_levels[j], f, b_levels[j])
+    assert best is not None  # the top levels let every device take every unit
+    _, f, b = best
+    caps = [min(fitting(forward[i], f), fitting(backward[i], b)) for i in range(n)]
+    _, take = water_fill([_Capped(c, cap) for c, cap in zip(costs, caps)], units)
+    slowest = max(forward[i][u] for i, u in enumerate(take)) + max(backward[i][u] for i, u in enumerate(take))
+    return slowest, take
 
 
 Share = tuple[int, tuple[int, int] | None]
@@ -138,10 +210,17 @@ class MlpCost(NamedTuple):
     weight_grads: Segment
     room: float
     extra: float = 0.0
+    forward_fraction: float = 0.5
 
     @classmethod
     def of(cls, p: DeviceProfile, room: float, extra: float = 0.0) -> MlpCost:
-        return cls(unit_costs(p)[1], weight_grad_costs(p)[0], room, extra)
+        return cls(unit_costs(p)[1], weight_grad_costs(p)[0], room, extra, forward_fractions(p)[1])
+
+    def forward(self, units: float) -> float:
+        return self.forward_fraction * self.mlp.seconds(units)
+
+    def backward(self, units: float) -> float:
+        return self.seconds(units) - self.forward(units)
 
     def moved(self, units: float) -> float:
         """Seconds moved out of the segment with `units` blocks (0: they do not fit, or there are none)."""
@@ -167,8 +246,9 @@ def mlp_costs(
 
 
 def mlp_split(costs: list[MlpCost], blocks: int) -> tuple[float, list[int], list[bool]]:
-    """Water-filled MLP blocks, and which devices' weight gradients come later."""
-    tm, m = water_fill(costs, blocks)
+    """MLP blocks by the slowest forward plus the slowest backward (`direction_fill`), and which devices'
+    weight gradients come later."""
+    tm, m = direction_fill(costs, blocks)
     return tm, m, [c.moved(u) > 0 for c, u in zip(costs, m)]
 
 
@@ -181,16 +261,23 @@ class VocabCost(NamedTuple):
     vocab: Segment
     weight_grads: Segment
     cap: int
+    forward_fraction: float = 0.5
 
     @classmethod
     def of(cls, p: DeviceProfile, cap: int) -> VocabCost:
-        return cls(unit_costs(p)[2], weight_grad_costs(p)[1], cap)
+        return cls(unit_costs(p)[2], weight_grad_costs(p)[1], cap, forward_fractions(p)[2])
 
     def later(self, units: float) -> int:
         return min(int(units), self.cap)
 
     def seconds(self, units: float) -> float:
         return self.vocab.seconds(units) - self.weight_grads.seconds(self.later(units))
+
+    def forward(self, units: float) -> float:
+        return self.forward_fraction * self.vocab.seconds(units)
+
+    def backward(self, units: float) -> float:
+        return self.seconds(units) - self.forward(units)
 
 
 def vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, rooms: list[float] | None, later: Later):
@@ -210,7 +297,7 @@ def vocab_beside(profiles: list[DeviceProfile], dims: ModelDims, rooms: list[flo
                 else 0
             )
         costs.append(VocabCost.of(p, fits))
-    tv, v = water_fill(costs, blocks)
+    tv, v = direction_fill(costs, blocks)
     taken = [c.later(u) for c, u in zip(costs, v)]
     return tv, v, later._replace(vocab=taken if any(taken) else None)
 
@@ -221,19 +308,21 @@ def _attention_then_mlp(profiles: list[DeviceProfile], units: Sequence[float], b
     MLP blocks, Later, each device's room left in its attention backward span after its MLP moves).
 
     Exact for these units, a device deferring one of its two components at most: deferring its
-    attention helps only a device whose attention is the segment's longest (elsewhere it only
-    lengthens its MLP and shortens the others' room), so some optimal choice defers exactly the
-    devices above a level; each of the n + 1 levels is tried (with its exact MLP water-fill), no
-    deferral first, so ties keep the plainer plan.
+    attention shortens its backward alone and helps only a device whose attention backward is the
+    segment's longest (elsewhere it only lengthens its MLP and shortens the others' room), so some
+    optimal choice defers exactly the devices above a level; each of the n + 1 levels is tried (with
+    its exact MLP split), no deferral first, so ties keep the plainer plan.
     """
     attention = [unit_costs(p)[0].seconds(u) for p, u in zip(profiles, units)]
+    forward = [f * a for f, a in zip((forward_fractions(p)[0] for p in profiles), attention)]
+    backward = [a - f for a, f in zip(attention, forward)]
     deferrable = [attention_weight_grad_seconds(p, u) for p, u in zip(profiles, units)]
     best = None
-    levels = sorted({a for a, d in zip(attention, deferrable) if d > 0}, reverse=True)
+    levels = sorted({b for b, d in zip(backward, deferrable) if d > 0}, reverse=True)
     for level in [float("inf")] + levels[1:] + [-1.0]:  # nothing deferred, then the top device(s), ...
-        defer = [a > level and d > 0 for a, d in zip(attention, deferrable)]
+        defer = [b > level and d > 0 for b, d in zip(backward, deferrable)]
         deferred = [d if f else 0.0 for d, f in zip(deferrable, defer)]
-        ta = max(a - d for a, d in zip(attention, deferred))
+        ta = max(forward) + max(b - d for b, d in zip(backward, deferred))
         costs = mlp_costs(profiles, units, deferred)
         tm, m, mlp_later = mlp_split(costs, blocks)
         if best is None or ta + tm < best[0] - 1e-12:

@@ -88,7 +88,9 @@ def solve_with_memory(profiles, dims, micro_batch, seq_len, members: list[int], 
     the devices cannot hold the model. With `relax`, the LP relaxation: its step is a lower bound, in
     seconds. A binary per device and component says whether it pays that component's fixed
     cost; with fixed costs many memory-bound devices can take HiGHS past MILP_OPTIONS' limit
-    (the plan then says `optimal: false`).
+    (the plan then says `optimal: false`). Its segments are priced by their slowest sums (linear),
+    not by slowest forward plus slowest backward (`step_seconds`): the same where the devices' forward
+    parts are, else the split is the sums' best and the caller prices it by direction.
     """
     k, layers = len(members), dims.num_layers
     units = dim_units(dims)
@@ -299,6 +301,8 @@ def plan_partition(
                 continue  # these devices cannot hold the model together
             step, coll, g, m, v, later, proven = solved
             optimal &= proven
+            # the program prices each segment by its slowest sum, a lower bound: its split is priced as any other
+            step = split_step_seconds([profiles[i] for i in members], dims, to_split(dims, g, m, v))
         if best is None or step < best[0] - 1e-12:
             best = (step, coll, members, g, m, v, later)
     if best is None:
