@@ -85,12 +85,6 @@ def segments(p: DeviceProfile, dims: ModelDims, kv_groups: float, mlp_columns: f
     )
 
 
-def forward_segments(p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float]) -> tuple[float, ...]:
-    """This device's (attention, MLP, vocabulary) seconds before each segment's forward all-reduce; the rest
-    of each `segments` is its backward (what its weight-gradient products' moves change)."""
-    return tuple(f * s for f, s in zip(forward_fractions(p), segments(p, dims, *share)))
-
-
 def later_products(
     p: DeviceProfile, dims: ModelDims, share: tuple[float, float, float], mlp_later: bool, attention_later: bool
 ) -> tuple[float, float]:
@@ -133,7 +127,7 @@ def step_seconds(
     participant wait at each. (The slowest sum is the same when every device's forward takes the same
     part of each segment and no product moves; moves shorten or lengthen a backward alone.)"""
     segs = [segments(p, dims, *share) for p, share in zip(profiles, shares)]
-    fwds = [forward_segments(p, dims, share) for p, share in zip(profiles, shares)]
+    fwds = [[f * s for f, s in zip(forward_fractions(p), seg)] for p, seg in zip(profiles, segs)]
     moved, deferred = zip(
         *(
             later_products(p, dims, share, bool(later and later[i]), bool(attention_later and attention_later[i]))
