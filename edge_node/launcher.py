@@ -35,7 +35,7 @@ from xronos.contract.profiles import DeviceProfile
 from xronos.contract.report import HeadStart, RankResult, RunReport, build_report
 from xronos.contract.splits import ModelDims
 from xronos.planner.head_start import head_start_profile, holds_whole_model, steady_compute, trained_ahead
-from xronos.planner.job_plan import JobPlan, excluded_devices, plan_job, planned_report
+from xronos.planner.job_plan import JobPlan, excluded_devices, plan_job, planned_report, with_predictions
 from xronos.planner.pipeline_plan import stages_from_layers
 from xronos.planner.planning import split_for_mode
 
@@ -274,6 +274,19 @@ def _hand_out(plan: JobPlan, local: LocalWorkers, port: int, head: int | None) -
     return plan
 
 
+def _cached_predictions(
+    report: RunReport, job: JobOptions, dims: ModelDims, speeds: list[float | None], threads: int
+) -> RunReport:
+    """A fixed split's report (modes single and tp, or a `--split`) with the step its devices' cached profiles
+    predict for it, where each device has one: such a mode does not profile (that would slow it), but a device
+    that planned a job of these shapes before has its pace cached, as the last job's checks measured it."""
+    cached = [job_cached_profile(job, threads, f"device-{d}", speed) for d, speed in enumerate(speeds)]
+    if report.split is None or not all(cached):
+        return report
+    plan = JobPlan(ranks=list(range(len(speeds))), reasons=[None] * len(speeds), split=report.split)
+    return with_predictions(report, job, dims, plan, cached, speeds)
+
+
 def run_local(
     job: JobOptions,
     nodes: int,
@@ -380,6 +393,8 @@ def run_local(
                 stages=stages,
                 dims=dims,
             )
+            if plan is None:
+                report = _cached_predictions(report, job, dims, device_speeds, threads)
         if state is not None:  # as its device last wrote it
             report = report.model_copy(update={"head_start": _head_state(local.head_start_file)})
         if plan is not None and state is not None and state.finished:  # it trained the job: the others were left out

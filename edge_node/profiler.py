@@ -224,26 +224,6 @@ def _fresh(cache: Path, max_age_seconds: float) -> bool:
     return cache.is_file() and time.time() - cache.stat().st_mtime <= max_age_seconds
 
 
-STALE_PROFILE_FACTOR = 2.0
-"""A cached profile whose device the job's first check measures at more than this factor off its prediction,
-either way, is dropped (`forget_if_stale`). Within it: what a job's steps differ from a profile on a sound one
-(under a CPU quota a device that waits in collectives computes up to ~1.5x its profile's pace). Beyond it: a
-profile measured while something else loaded the machine (one predicted 1.98 s per step against 0.72 s
-measured, issue 36), which the cache would otherwise hand to every job of the day."""
-
-
-def forget_if_stale(profile: DeviceProfile, measured: float, predicted: float, lora: LoraOptions | None) -> bool:
-    """Drop `profile`'s cache entry when `measured` compute (seconds) departs from the `predicted` by more
-    than STALE_PROFILE_FACTOR: the next job on this device profiles it afresh. True when it was dropped."""
-    if measured <= 0 or predicted <= 0 or 1 / STALE_PROFILE_FACTOR <= measured / predicted <= STALE_PROFILE_FACTOR:
-        return False
-    try:
-        _cache_path(profile.shape, profile.device, profile.speed_hint, lora).unlink()
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _cache_path(shape: ProfileShape, device: str, speed_hint: float | None, lora: LoraOptions | None = None) -> Path:
     root = Path(os.environ.get("XRONOS_PROFILE_CACHE", Path.home() / ".cache" / "xronos" / "profiles"))
     parts: list = [shape.model_dump(), device, speed_hint, torch.__version__, PROFILER_VERSION]

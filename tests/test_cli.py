@@ -228,10 +228,10 @@ def test_bench_idle_summary_gives_each_round_and_their_mean():
     assert idle_summary(0.05, 0.1, None, {"xronos": [0.05], "tp": [0.1]}) == "idle: xronos 5.0%, tp 10.0% (2.0x less)"
 
 
-def test_bench_calibrated_ratio_takes_the_checks_that_priced_the_final_split():
-    """Predicted / measured with the job's own paces: the median over the checks from the last re-shard on, not
-    the plan's profiles nor the checks that priced a split the job left."""
-    from xronos.bench import calibrated_ratio
+def test_bench_prediction_takes_the_checks_that_priced_the_final_split():
+    """Predicted / measured, round by round: the plan's, and with the job's own paces the median over the
+    checks from the last re-shard on, not the plan's profiles nor the checks that priced a split the job left."""
+    from xronos.bench import prediction_text
     from xronos.contract.report import ReplanCheck, RunReport
     from xronos.contract.splits import ShardSplit
 
@@ -246,15 +246,17 @@ def test_bench_calibrated_ratio_takes_the_checks_that_priced_the_final_split():
             predicted_step_seconds=predicted,
         )
 
+    def report(planned: float | None, measured: float, replans: list[ReplanCheck]) -> RunReport:
+        return RunReport.model_construct(predicted_step_seconds=planned, mean_step_seconds=measured, replans=replans)
+
     checks = [check(4, 9.0), check(6, 4.4, moved), check(8, 4.6), check(10, 5.2), check(12, None)]
-    assert calibrated_ratio(RunReport.model_construct(replans=checks, mean_step_seconds=4.6)) == (
-        ", 1.00 after the re-plan checks"  # median of 4.4, 4.6, 5.2; the check before the re-shard priced another split
-    )
+    # median of 4.4, 4.6, 5.2; the check before the re-shard priced another split
+    assert prediction_text([report(6.9, 4.6, checks)]) == "1.50, 1.00 after the re-plan checks"
     kept = [check(4, 4.0), check(6, 5.0), check(8, 6.0)]
-    assert calibrated_ratio(RunReport.model_construct(replans=kept, mean_step_seconds=4.0)) == (
-        ", 1.25 after the re-plan checks"
-    )
-    assert calibrated_ratio(RunReport.model_construct(replans=[], mean_step_seconds=4.0)) == ""  # no check: no ratio
+    rounds = [report(6.9, 4.6, checks), report(4.4, 4.0, kept), report(4.0, 4.0, [])]
+    assert prediction_text(rounds) == "1.10 (1.00-1.50), 1.12 (1.00-1.25) after the re-plan checks"
+    assert prediction_text([report(4.0, 4.0, [])]) == "1.00"  # no check: the plan's alone
+    assert prediction_text([report(None, 4.0, kept)]) is None  # nothing predicted
 
 
 def test_bench_json_keeps_every_round(model_dir, data_file, tmp_path, capsys):

@@ -203,24 +203,34 @@ def compute_stall(node, measured_steps: int) -> float:
     return node.compute_seconds / measured_steps / node.predicted_compute_seconds - 1
 
 
-def calibrated_ratio(report: RunReport) -> str:
-    """', C after the re-plan checks': over the measured step, the median prediction of the checks that priced
-    the split the job ended on (from the last re-shard on), each with the devices' paces as the job had measured
-    them by then (a machine's pace drifts over a job, so one check's window is not the measured steps'); ''
-    without any."""
+def checked_step_seconds(report: RunReport) -> float | None:
+    """The median prediction of the re-plan checks that priced the split the job ended on (from the last
+    re-shard on), each with the devices' paces as the job had measured them by then (a machine's pace
+    drifts over a job, so one check's window is not the measured steps'); None without any."""
     moved = [k for k, c in enumerate(report.replans) if c.new_split is not None]
     final = report.replans[moved[-1] if moved else 0 :]
     checked = [c.predicted_step_seconds for c in final if c.predicted_step_seconds]
-    if not checked:
-        return ""
-    return f", {statistics.median(checked) / report.mean_step_seconds:.2f} after the re-plan checks"
+    return statistics.median(checked) if checked else None
+
+
+def _median_range(values: list[float]) -> str:
+    text = f"{statistics.median(values):.2f}"
+    return text if len(values) == 1 else f"{text} ({min(values):.2f}-{max(values):.2f})"
+
+
+def prediction_text(reports: list[RunReport]) -> str | None:
+    """A mode's predicted / measured step over its rounds, median (range): the plan's prediction, and
+    ', C after the re-plan checks' (`checked_step_seconds`) where the job checked; None: never predicted."""
+    planned = [r.predicted_step_seconds / r.mean_step_seconds for r in reports if r.predicted_step_seconds]
+    if not planned:
+        return None
+    checked = [c / r.mean_step_seconds for r in reports if (c := checked_step_seconds(r))]
+    return _median_range(planned) + (f", {_median_range(checked)} after the re-plan checks" if checked else "")
 
 
 def _ratio_text(rounds: dict[str, list[float]], mode: str, base: str) -> str:
     """The median round-by-round ratio, with its range when there were several rounds."""
-    ratios = round_ratios(rounds, mode, base)
-    text = f"{statistics.median(ratios):.2f}"
-    return text if len(ratios) == 1 else f"{text} ({min(ratios):.2f}-{max(ratios):.2f})"
+    return _median_range(round_ratios(rounds, mode, base))
 
 
 def _layout(label: str, r: RunReport) -> str:
@@ -265,13 +275,12 @@ def print_bench(result: BenchResult) -> None:
             "step / single's (the fastest device alone), round by round: "
             + "; ".join(f"{m} {_ratio_text(rounds, m, 'single')}" for m in reports if m != "single")
         )
-    predicted = [
-        f"{m} {r.predicted_step_seconds / r.mean_step_seconds:.2f}" + calibrated_ratio(r)
-        for m, r in reports.items()
-        if r.predicted_step_seconds
-    ]
-    if predicted:
-        print("predicted / measured step (median round): " + "; ".join(predicted))
+    predicted = {m: prediction_text(result.round_reports.get(m, [r])) for m, r in reports.items()}
+    if any(predicted.values()):
+        print(
+            "predicted / measured step, round by round: median (range): "
+            + "; ".join(f"{m} {text}" for m, text in predicted.items() if text)
+        )
     jobs = {
         m: [r.job_seconds for r in result.round_reports.get(m, [rep]) if r.job_seconds] for m, rep in reports.items()
     }
