@@ -538,13 +538,14 @@ class Trainer:
         mine = [
             sum(compute) / per_micro_step,
             *(sum(column) / per_micro_step for column in zip(*(self.segment_seconds[k] for k in timed))),
+            sum(self.step_seconds[k] for k in timed) / per_micro_step,
             self.sustained_drift(compute),
         ]
         gathered = [torch.zeros(len(mine)) for _ in range(self.world)]
         dist.all_gather(gathered, torch.tensor(mine))
         if not calibrating and not any(drifted(t[-1].item()) for t in gathered):
             return
-        measured = [MeasuredCompute(t[0].item(), tuple(t[1:-1].tolist())) for t in gathered]
+        measured = [MeasuredCompute(t[0].item(), tuple(t[1:-2].tolist()), t[-2].item()) for t in gathered]
         self.replan_checks += 1
         decision = None
         if self.rank == 0:

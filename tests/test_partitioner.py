@@ -762,6 +762,37 @@ def test_lm_head_products_fill_the_room_the_mlp_moves_leave():
     assert plan_partition(profiles, DIMS3, 3, 8).predicted_step_seconds <= after.predicted_step_seconds * (1 + 1e-9)
 
 
+def test_replans_learn_what_the_collectives_cost_in_the_step():
+    """Devices whose collectives cost more in the step than their profiles price (a throttled rank's quota,
+    three ranks' jitter): the checks add the excess to every profile's all-reduce latency, so the step the
+    recalibrated profiles predict converges on the measured one (0.25**k of the gap after k checks) while the
+    compute stays the job's; a step shorter than the compute's share can pull a latency down to a quarter of
+    itself, no further. A step not measured (0) changes nothing."""
+    from xronos.planner.cost_model import LOSS_ALLREDUCES, allreduces_per_step, device_compute
+    from xronos.planner.replan import MeasuredCompute, replan
+
+    rng = random.Random(5)
+    profiles = [profile(i, rng) for i in range(3)]
+    split = plan_partition(profiles, DIMS, SHAPE.micro_batch, SHAPE.seq_len).split
+    compute = [device_compute(p, DIMS, *share) for p, share in zip(profiles, split.shares())]
+    predicted = split_step_seconds(profiles, DIMS, split)
+    calls = allreduces_per_step(DIMS) + LOSS_ALLREDUCES
+    step = predicted + calls * 0.004  # 4 ms an all-reduce more than priced
+    current = profiles
+    for k in range(1, 4):
+        out = replan(current, DIMS, split, [MeasuredCompute(c, step=step) for c in compute], 2, 8, min_gain=1.0)
+        assert out.split == split
+        for before, after in zip(profiles, out.profiles):
+            assert device_compute(after, DIMS, 1, 1, 1) == pytest.approx(device_compute(before, DIMS, 1, 1, 1))
+        assert step - split_step_seconds(out.profiles, DIMS, split) == pytest.approx(0.25**k * (step - predicted))
+        current = out.profiles
+    short = replan(profiles, DIMS, split, [MeasuredCompute(c, step=predicted / 10) for c in compute], 2, 8)
+    for before, after in zip(profiles, short.profiles):
+        assert after.allreduce_latency_seconds == pytest.approx(before.allreduce_latency_seconds / 4)
+    unmeasured = replan(profiles, DIMS, split, [MeasuredCompute(c) for c in compute], 2, 8)
+    assert [p.allreduce_latency_seconds for p in unmeasured.profiles] == [p.allreduce_latency_seconds for p in profiles]
+
+
 def test_a_gain_two_checks_agree_on_reshards_below_the_threshold():
     """A re-plan that finds the best split 2% shorter keeps the split (under MIN_REPLAN_GAIN); the
     next check, told the one before kept a gain of 2%, re-shards to that split, unless a re-shard

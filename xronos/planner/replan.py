@@ -14,6 +14,8 @@ from xronos.contract.lora import LoraOptions
 from xronos.contract.profiles import COMPUTE_FIELDS, SEGMENT_FIELDS, DeviceProfile
 from xronos.contract.splits import ModelDims, ShardSplit
 from xronos.planner.cost_model import (
+    LOSS_ALLREDUCES,
+    allreduces_per_step,
     device_compute,
     later_products,
     segments,
@@ -32,8 +34,8 @@ def recalibrate(profile: DeviceProfile, factor: float, per_segment: dict[str, fl
     A device in a real job can run faster or slower than its micro-benchmark said
     (contention, thermal limits; under an emulated CPU quota, a device that waits
     often in collectives gets its quota back and computes faster), and a short
-    micro-benchmark can misjudge one component more than another. Its collective
-    cost is left as measured.
+    micro-benchmark can misjudge one component more than another. Its collectives
+    are recalibrated apart (`collective_excess`).
     """
     scaled = {k: getattr(profile, k) * factor for k in COMPUTE_FIELDS}
     for dim, own in (per_segment or {}).items():
@@ -44,10 +46,11 @@ def recalibrate(profile: DeviceProfile, factor: float, per_segment: dict[str, fl
 class MeasuredCompute(NamedTuple):
     """One rank's compute seconds per micro-step in a job: in all, and of that, in the attention and MLP
     segments of all its layers and in the vocabulary's (SEGMENT_FIELDS' order; as `edge_node.tp.comm`
-    times them; 0: not measured)."""
+    times them; 0: not measured); and its whole step's wall seconds per micro-step (0: not measured)."""
 
     total: float
     segments: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    step: float = 0.0
 
 
 def segment_compute(
@@ -109,6 +112,26 @@ def calibration_factors(
         centre = sum(w[c] * (x - means[c]) for c, x in enumerate(row) if x is not None) / sum(w) if rel else 0.0
         factors.append((f, {dim: f * float(np.exp(x - centre)) for dim, x in rel.items()}))
     return factors
+
+
+def collective_excess(profiles: list[DeviceProfile], dims: ModelDims, split: ShardSplit, step: float) -> float:
+    """Seconds per all-reduce by which the measured `step` (wall seconds per micro-step) outruns what
+    `profiles` predict for `split` (negative: falls short of it). With the compute recalibrated to the
+    job's, what is left is what the collectives cost in the step beyond the profiles' price: the profile
+    times a transfer on its device alone, while in a step a throttled rank reaches each all-reduce with its
+    quota's period spent, and three ranks finishing together wait for the latest one's jitter (M, speeds
+    1, 0.5, 0.25: 7.5-7.9 ms an all-reduce in the step, 4.1 ms priced; docs/benchmarks.md). Per call, for
+    that is how it comes: ~the same for every all-reduce, whatever its size."""
+    if len(profiles) < 2 or step <= 0:
+        return 0.0
+    return (step - split_step_seconds(profiles, dims, split)) / (allreduces_per_step(dims) + LOSS_ALLREDUCES)
+
+
+def add_latency(profile: DeviceProfile, excess: float) -> DeviceProfile:
+    """`profile` with `excess` seconds added to its all-reduce latency, never below a quarter of it: the
+    profile's own transfer is a floor the job cannot beat by much, whatever a noisy window says."""
+    latency = profile.allreduce_latency_seconds
+    return profile.model_copy(update={"allreduce_latency_seconds": max(latency / 4, latency + excess)})
 
 
 RECALIBRATION_STEP = 0.75
@@ -200,6 +223,9 @@ def replan(
         recalibrate(p, f**RECALIBRATION_STEP, {dim: x**RECALIBRATION_STEP for dim, x in own.items()})
         for p, (f, own) in zip(profiles, calibration_factors(profiles, dims, split, measured))
     ]
+    # The collectives as the steps ran them, by the same measure (each rank's step is the slowest's).
+    excess = collective_excess(calibrated, dims, split, max(m.step for m in measured))
+    calibrated = [add_latency(p, excess * RECALIBRATION_STEP) for p in calibrated]
     members = list(range(len(profiles)))
     step, coll, g, m, v, later = solve_members(calibrated, dims, members, micro_batch, tolerance=tolerance)
     if lora is not None:  # a frozen weight has no gradient to compute later (`plan_partition`)
