@@ -281,10 +281,11 @@ def _cached_predictions(
     predict for it, where each device has one: such a mode does not profile (that would slow it), but a device
     that planned a job of these shapes before has its pace cached, as the last job's checks measured it."""
     cached = [job_cached_profile(job, threads, f"device-{d}", speed) for d, speed in enumerate(speeds)]
-    if report.split is None or not all(cached):
+    profiles = [p for p in cached if p is not None]
+    if report.split is None or len(profiles) != len(speeds):
         return report
     plan = JobPlan(ranks=list(range(len(speeds))), reasons=[None] * len(speeds), split=report.split)
-    return with_predictions(report, job, dims, plan, cached, speeds)
+    return with_predictions(report, job, dims, plan, profiles, speeds)
 
 
 def run_local(
