@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The session's own profile cache: every job's checks teach it (`Trainer.learn_pace`), so a pace learned by an
+# earlier run of the suite, or by this machine's other jobs, must not plan these tests.
+os.environ["XRONOS_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="xronos-test-profiles-")
 
 import pytest
 from transformers.utils import logging as hf_logging
